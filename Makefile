@@ -1,0 +1,36 @@
+# vlguard developer entry points. The virtual environment is built on demand by scripts/venv.sh in
+# $(VLGUARD_CACHE) (outside the clone), keyed by a hash of the requirement files, and reused.
+VLLM ?= 0.20.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PROFILE ?= config/tiny-cpu.yaml
+export VLGUARD_CACHE ?= $(HOME)/.cache/vlguard
+TINY_MODEL := $(VLGUARD_CACHE)/tiny-qwen3-vl-$(shell cat server/devmodel.py | sha256sum | cut -c1-12)
+MODEL ?= $(TINY_MODEL)
+PYTEST_ARGS ?=
+
+.PHONY: venv serve serve-stock tiny-model lint test
+.DEFAULT_GOAL := test
+
+venv:  ## create or reuse the environment; prints its Python as the last line
+	@scripts/venv.sh $(VLLM)
+
+tiny-model:  ## build the embedded tiny Qwen3-VL into the cache (once)
+	@PY=$$(scripts/venv.sh $(VLLM)) && if [ ! -f "$(TINY_MODEL)/model.safetensors" ]; then \
+	  rm -rf "$(TINY_MODEL).tmp" && $$PY -m server tiny-model "$(TINY_MODEL).tmp" >/dev/null && \
+	  mv "$(TINY_MODEL).tmp" "$(TINY_MODEL)"; fi; echo "$(TINY_MODEL)"
+
+serve: tiny-model  ## serve MODEL (default: the tiny model) on HOST:PORT through vlguard
+	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
+	  exec $$PY -m server serve "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
+
+serve-stock: tiny-model  ## the stock vLLM OpenAI server on the same model and profile, for comparison
+	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
+	  exec $$PY -m vllm.entrypoints.openai.api_server --model "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
+
+lint:  ## ruff (lint + format) and mypy
+	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests && \
+	  $$PY -m ruff format --check server tests && $$PY -m mypy
+
+test: lint  ## lint, then the whole test suite (unit + integration on a real vLLM engine)
+	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $(PYTEST_ARGS)

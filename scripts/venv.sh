@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Create (or reuse) the cached virtual environment for one vLLM engine lane and print its Python.
+#
+# The environment lives outside the clone, in $VLGUARD_CACHE (default ~/.cache/vlguard), keyed by a
+# hash of the lane's requirement files and the Python version, so CI and later runs reuse it instead of
+# reinstalling ~6 GB. It is built in a temporary folder and renamed only when every step succeeded;
+# any pip error stops the build (set -e) and leaves nothing half-built behind.
+#
+# Usage: scripts/venv.sh [LANE]    (LANE defaults to 0.20.0; see requirements/vllm-LANE-*.txt)
+set -euo pipefail
+
+lane=${1:-0.20.0}
+root=$(cd "$(dirname "$0")/.." && pwd)
+req="$root/requirements"
+py=${PYTHON:-python3}
+cache=${VLGUARD_CACHE:-$HOME/.cache/vlguard}
+
+for f in torch deps engine; do
+  [ -f "$req/vllm-$lane-$f.txt" ] || { echo "venv.sh: no lane '$lane' (missing requirements/vllm-$lane-$f.txt)" >&2; exit 2; }
+done
+
+key=$( { "$py" --version; cat "$req/vllm-$lane-torch.txt" "$req/vllm-$lane-deps.txt" \
+  "$req/vllm-$lane-engine.txt" "$req/dev.txt"; [ ! -f "$req/vllm-$lane-env" ] || cat "$req/vllm-$lane-env"; } \
+  | sha256sum | cut -c1-12)
+venv="$cache/venv-$lane-$key"
+
+if [ ! -x "$venv/bin/python" ]; then
+  mkdir -p "$cache"
+  tmp="$venv.building.$$"
+  rm -rf "$tmp"
+  trap 'rm -rf "$tmp"' EXIT
+  echo "venv.sh: building $venv (first run takes a few minutes and ~6 GB)" >&2
+  pip_env=()
+  # A lane may need pip's environment adjusted (e.g. 0.32.0 must not see PIP_FIND_LINKS).
+  if [ -f "$req/vllm-$lane-env" ]; then read -r -a pip_env < "$req/vllm-$lane-env"; fi
+  "$py" -m venv "$tmp"
+  pip() { env "${pip_env[@]}" "$tmp/bin/python" -m pip install --no-input --progress-bar off "$@" >&2; }
+  pip --upgrade pip
+  pip -r "$req/vllm-$lane-torch.txt"
+  pip -r "$req/vllm-$lane-deps.txt"
+  pip --no-deps -r "$req/vllm-$lane-engine.txt"
+  pip -r "$req/dev.txt"
+  # venv scripts hard-code their folder; fix them up for the final name before the rename.
+  grep -rl "$tmp" "$tmp/bin" | xargs sed -i "s|$tmp|$venv|g"
+  mv "$tmp" "$venv"
+  trap - EXIT
+fi
+
+# Point the environment at this clone (editable install; fast when already pointing here). The vLLM plugin
+# entry points live in the package metadata, so the project must be installed, not only on PYTHONPATH.
+here=$(cd / && "$venv/bin/python" -I -c 'import importlib.metadata as m, json
+try: print(json.loads(m.distribution("vlguard").read_text("direct_url.json"))["url"])
+except Exception: pass')
+if [ "$here" != "file://$root" ]
+then
+  "$venv/bin/python" -m pip install --no-input --no-deps --no-build-isolation -q -e "$root" >&2
+fi
+
+echo "$venv/bin/python"

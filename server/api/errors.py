@@ -1,0 +1,103 @@
+"""One place that maps exceptions to HTTP statuses and the OpenAI error envelope.
+
+Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` (vLLM's
+``ErrorResponse``, the envelope the OpenAI clients parse). Validation messages are built from
+``exc.errors()`` (field locations and messages only: no file paths, no echo of the request body).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.guard.supervisor import EngineUnavailableError
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a client is told to wait before retrying a 503.
+RETRY_AFTER_S = 5
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """An OpenAI-envelope JSON error response with the given HTTP status."""
+    from vllm.entrypoints.openai.engine.protocol import ErrorInfo, ErrorResponse
+
+    body = ErrorResponse(error=ErrorInfo(message=message, type=HTTPStatus(status).phrase, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def validation_message(errors: Any) -> tuple[str, str | None]:
+    """Turn pydantic/FastAPI ``exc.errors()`` into ``(message, param)``.
+
+    The location's leading ``body``/``query`` part is dropped: ``messages: Field required``.
+    """
+    parts: list[str] = []
+    param: str | None = None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+        where = ".".join(loc)
+        msg = str(err.get("msg", "invalid value"))
+        ctx_error = (err.get("ctx") or {}).get("error")
+        if err.get("type") == "json_invalid" and ctx_error:
+            msg = f"{msg}: {ctx_error}"
+            where, loc = "body", []
+        parts.append(f"{where}: {msg}" if where else msg)
+        param = param or (loc[0] if loc else None)
+    return "; ".join(parts) or "invalid request", param
+
+
+async def _on_validation(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = validation_message(exc.errors())
+    return error_response(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
+async def _on_http(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+
+async def _on_unavailable(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(
+        HTTPStatus.SERVICE_UNAVAILABLE, f"Engine unavailable: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
+async def _on_other(request: Request, exc: Exception) -> JSONResponse:
+    # vLLM's own classification: VLLMValidationError/ValueError/TypeError -> 400 (bad input that the
+    # serving layer let through, e.g. max_tokens < 1), VLLMNotFoundError -> 404, others -> 500.
+    from vllm.entrypoints.utils import create_error_response
+
+    err = create_error_response(exc)
+    if err.error.code >= 500:
+        logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+    return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the exception map on ``app``.
+
+    | exception | status |
+    |---|---|
+    | ``RequestValidationError`` (bad JSON, missing or wrong fields) | 400 |
+    | ``HTTPException`` | its own |
+    | ``EngineUnavailableError``, vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
+    | ``VLLMValidationError``, ``ValueError``, ``TypeError`` (bad input) | 400 |
+    | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
+    """
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(EngineUnavailableError, _on_unavailable)
+    app.add_exception_handler(EngineDeadError, _on_unavailable)
+    app.add_exception_handler(Exception, _on_other)

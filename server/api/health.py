@@ -1,0 +1,55 @@
+"""Operational routes: liveness, readiness, version and Prometheus metrics.
+
+``/health`` is liveness: 200 while this process can still serve or recover (including while the engine
+starts or restarts), 503 only once the supervisor has given up. This differs from stock vLLM, whose
+``/health`` reflects the engine; orchestrators should restart on ``/health`` and route on ``/ready``.
+``/ready`` is 200 only while the engine is READY and has not errored.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from server import __version__
+from server.api.deps import SupervisorDep
+from server.guard.supervisor import EngineState
+from server.metrics.registry import render_latest
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(supervisor: SupervisorDep) -> JSONResponse:
+    """Liveness: ``{"status": "alive"|"failed", "engine": <state>}``; 503 only when FAILED."""
+    failed = supervisor.state is EngineState.FAILED
+    return JSONResponse(
+        {"status": "failed" if failed else "alive", "engine": supervisor.state.value},
+        status_code=503 if failed else 200,
+    )
+
+
+@router.get("/ready")
+async def ready(supervisor: SupervisorDep) -> JSONResponse:
+    """Readiness: 200 ``{"ready": true}`` only while the engine is READY and not errored, else 503."""
+    is_ready = supervisor.state is EngineState.READY and not supervisor.engine.errored
+    return JSONResponse(
+        {"ready": is_ready, "engine": supervisor.state.value},
+        status_code=200 if is_ready else 503,
+        headers=None if is_ready else {"Retry-After": "5"},
+    )
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    """``{"version": <vlguard>, "vllm_version": <vllm>}``."""
+    import vllm
+
+    return JSONResponse({"version": __version__, "vllm_version": vllm.__version__})
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus text: vLLM's ``vllm:*`` series and vlguard's ``vlguard_*`` series from every process."""
+    body, content_type = render_latest()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,105 @@
+"""The FastAPI application: vLLM's own OpenAI routers over the guarded engine client.
+
+``create_app(args, settings, supervisor)`` assembles the app; its lifespan owns the engine through the
+supervisor's async context manager (always shut down on exit) and builds vLLM's serving classes
+(``init_app_state``) over a :class:`GuardedEngineClient`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+from fastapi import FastAPI
+
+from server import __version__
+from server.api.errors import install_error_handlers
+from server.api.health import router as health_router
+from server.guard.engine_client import GuardedEngineClient
+from server.guard.supervisor import Supervisor
+from server.settings import GuardSettings
+
+logger = logging.getLogger(__name__)
+
+
+def _attach_openai_routes(app: FastAPI) -> None:
+    """vLLM's own routers for the generate task: models, chat completions, completions, responses."""
+    from vllm.entrypoints.openai.chat_completion.api_router import attach_router as attach_chat
+    from vllm.entrypoints.openai.completion.api_router import attach_router as attach_completion
+    from vllm.entrypoints.openai.models.api_router import attach_router as attach_models
+    from vllm.entrypoints.openai.responses.api_router import attach_router as attach_responses
+    from vllm.entrypoints.serve.tokenize.api_router import attach_router as attach_tokenize
+
+    for attach in (attach_models, attach_chat, attach_completion, attach_responses, attach_tokenize):
+        attach(app)
+
+
+def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
+    """CORS and ``--api-key`` exactly as ``vllm serve`` applies them (drop-in compatibility)."""
+    import vllm.envs as envs
+    from fastapi.middleware.cors import CORSMiddleware
+
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    if tokens := [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]:
+        from vllm.entrypoints.openai.server_utils import AuthenticationMiddleware
+
+        app.add_middleware(AuthenticationMiddleware, tokens=tokens)
+
+
+async def _log_stats_forever(client: GuardedEngineClient, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        with contextlib.suppress(Exception):  # an engine between lives has no stats to log
+            await client.do_log_stats()
+
+
+def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Supervisor) -> FastAPI:
+    """Build the vlguard app.
+
+    Arguments:
+        args: parsed ``vlguard serve`` arguments (vLLM's serve namespace).
+        settings: vlguard's own options.
+        supervisor: owns the engine; started by the app's lifespan, shut down when it ends.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from vllm.entrypoints.openai.api_server import init_app_state
+
+        async with supervisor.running():
+            client = GuardedEngineClient(supervisor)
+            tasks = await client.get_supported_tasks()
+            await init_app_state(cast(Any, client), app.state, args, tasks)
+            stats = None
+            if not args.disable_log_stats:
+                import vllm.envs as envs
+
+                stats = asyncio.create_task(_log_stats_forever(client, envs.VLLM_LOG_STATS_INTERVAL))
+            try:
+                yield
+            finally:
+                if stats is not None:
+                    stats.cancel()
+
+    docs = {} if not args.disable_fastapi_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="vlguard", version=__version__, lifespan=lifespan, **docs)  # type: ignore[arg-type]
+    app.state.supervisor = supervisor
+    app.state.settings = settings
+    app.state.args = args
+    app.root_path = args.root_path
+    app.include_router(health_router)
+    _attach_openai_routes(app)
+    _add_middleware(app, args)
+    install_error_handlers(app)
+    return app

@@ -1,0 +1,136 @@
+"""The ``vlguard`` command.
+
+``vlguard serve [model] [every vllm serve flag] [--guard-* flags]`` parses with vLLM's own parser
+(``make_arg_parser``, ``FlexibleArgumentParser``: so ``--model X``, ``--config profile.yaml`` and every
+engine flag behave exactly as under ``vllm serve``), plus one ``--guard-<name>`` flag per field of
+:class:`server.settings.GuardSettings`. ``vlguard tiny-model DIR`` writes the embedded tiny Qwen3-VL.
+
+vLLM is imported lazily: ``serve`` must set up the Prometheus multiprocess directory before
+``prometheus_client`` is first imported (vLLM imports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from server.settings import GuardSettings
+
+GUARD_PREFIX = "guard_"
+
+
+def _add_guard_args(parser: argparse.ArgumentParser) -> None:
+    from server.settings import GuardSettings
+
+    group = parser.add_argument_group("vlguard", "vlguard's own options (env VLGUARD_<NAME> also works)")
+    for name, field in GuardSettings.model_fields.items():
+        group.add_argument(
+            "--guard-" + name.replace("_", "-"),
+            dest=GUARD_PREFIX + name,
+            default=argparse.SUPPRESS,  # absent flags fall through to the environment and the default
+            metavar=name.upper(),
+            help=(field.description or "").replace("%", "%%") + f" (default: {field.default})",
+        )
+    group.add_argument(
+        "--print-config",
+        action="store_true",
+        help="Print the parsed engine arguments and guard settings as JSON and exit (loads nothing).",
+    )
+
+
+def build_parser() -> FlexibleArgumentParser:
+    """The ``vlguard`` parser: ``serve`` (vLLM's serve parser + guard flags) and ``tiny-model``."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vlguard", description="Crash-proof Qwen3-VL serving on vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="Serve the OpenAI API on a guarded vLLM engine (takes every `vllm serve` flag).",
+        usage="vlguard serve [model] [vllm serve flags] [--guard-* flags]",
+    )
+    make_arg_parser(serve)
+    _add_guard_args(serve)
+    tiny = sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL to DIR.")
+    tiny.add_argument("dir", help="Output directory (created if missing).")
+    return parser
+
+
+def guard_settings(args: argparse.Namespace) -> GuardSettings:
+    """The :class:`GuardSettings` for parsed ``serve`` arguments (explicit flags over the environment)."""
+    from server.settings import settings_from_flags
+
+    flags = {k.removeprefix(GUARD_PREFIX): v for k, v in vars(args).items() if k.startswith(GUARD_PREFIX)}
+    return settings_from_flags(flags)
+
+
+def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettings]:
+    """Parse ``serve`` arguments the way ``vllm serve`` does and build the guard settings.
+
+    Arguments:
+        argv: the arguments after the program name, starting with ``serve``.
+
+    Raises:
+        SystemExit: unknown flag or bad value (argparse prints the usage).
+        pydantic.ValidationError: a guard setting is invalid.
+    """
+    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+
+    args = build_parser().parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    validate_parsed_serve_args(args)
+    return args, guard_settings(args)
+
+
+def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[str, Any]:
+    """The engine arguments vLLM would build from ``args``, the front-end address and guard settings.
+
+    Reads exactly the fields ``AsyncEngineArgs.from_cli_args`` hands to the constructor, without running
+    its ``__post_init__`` (which loads plugins and, under ``HF_HUB_OFFLINE``, resolves the model path).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncEngineArgs) if hasattr(args, f.name)}
+    return {
+        "engine": engine,
+        "frontend": {"host": args.host, "port": args.port, "served_model_name": args.served_model_name},
+        "guard": settings.model_dump(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``vlguard`` console script and ``python -m server``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--print-config" in argv:
+        # stdout carries the JSON alone; vLLM logs to stdout unless told otherwise.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    elif argv[:1] == ["serve"]:
+        from server.metrics.registry import prepare_multiprocess_dir
+
+        prepare_multiprocess_dir()
+
+    if argv[:1] == ["tiny-model"]:
+        args = build_parser().parse_args(argv)
+        from server.devmodel import build_tiny_model
+
+        print(build_tiny_model(args.dir))
+        return
+
+    args, settings = resolve_serve_args(argv)
+    if args.print_config:
+        json.dump(describe_config(args, settings), sys.stdout, indent=2, sort_keys=True, default=repr)
+        sys.stdout.write("\n")
+        return
+
+    from server.serve import run
+
+    sys.exit(run(args, settings))

@@ -1,0 +1,1 @@
+"""Prometheus metrics: definitions (``definitions``) and the multiprocess registry (``registry``)."""

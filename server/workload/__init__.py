@@ -1,0 +1,1 @@
+"""The users' two-pass workload (primary then rescue prompt on the same image) and its inputs."""

@@ -1,0 +1,43 @@
+"""Real photographs without downloads: the ones scikit-image ships in its wheel.
+
+Mixed formats, modes and sizes (RGB and grayscale PNG, RGBA PNG, JPEG), good real input for the demo,
+tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+#: name -> MIME type of the bundled files used here.
+PHOTOS = {
+    "astronaut.png": "image/png",  # RGB 512x512
+    "coffee.png": "image/png",  # RGB 400x600
+    "chelsea.png": "image/png",  # RGB 300x451
+    "camera.png": "image/png",  # grayscale 512x512
+    "logo.png": "image/png",  # RGBA 500x500
+    "rocket.jpg": "image/jpeg",  # RGB JPEG 427x640
+    "hubble_deep_field.jpg": "image/jpeg",  # RGB JPEG 872x1000
+}
+
+
+def photo_dir() -> Path:
+    """The folder of scikit-image's bundled sample images."""
+    import skimage
+
+    return Path(skimage.__file__).parent / "data"
+
+
+def photo_bytes(name: str) -> bytes:
+    """The raw file bytes of one bundled photo (e.g. ``"astronaut.png"``)."""
+    return (photo_dir() / name).read_bytes()
+
+
+def data_uri(data: bytes, mime: str) -> str:
+    """A ``data:<mime>;base64,...`` URI for ``image_url`` content parts."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def photo_uri(name: str) -> str:
+    """A data URI of one bundled photo, with its MIME type."""
+    return data_uri(photo_bytes(name), PHOTOS[name])

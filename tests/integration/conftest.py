@@ -1,0 +1,37 @@
+"""Integration fixtures: one real vlguard server on the tiny model per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ServerProcess, vlguard_argv
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """``vlguard serve`` (default: compiled, patches on) on the tiny model, on a free loopback port."""
+    log = tmp_path_factory.mktemp("logs") / "vlguard.log"
+    srv = ServerProcess(vlguard_argv(tiny_model), log).start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def openai_client(server: ServerProcess):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def model_name(tiny_model: Path) -> str:
+    return str(tiny_model)

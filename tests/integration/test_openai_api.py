@@ -1,0 +1,124 @@
+"""The OpenAI surface of a real vlguard server on a real vLLM 0.20.0 engine (tiny Qwen3-VL, CPU)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from server.workload.images import photo_uri
+from server.workload.twopass import primary_messages, rescue_messages
+from tests.servers import ServerProcess
+
+PHOTOS = ["rocket.jpg", "astronaut.png", "camera.png", "logo.png"]  # JPEG, RGB, grayscale, RGBA
+N_TOKENS = 6
+
+
+@pytest.mark.parametrize("photo", PHOTOS)
+def test_chat_with_photo_returns_requested_tokens(openai_client: OpenAI, model_name: str, photo: str) -> None:
+    resp = openai_client.chat.completions.create(
+        model=model_name,
+        messages=primary_messages(photo_uri(photo)),  # type: ignore[arg-type]
+        max_tokens=N_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == N_TOKENS
+    assert resp.usage.prompt_tokens > 40  # the image's placeholder tokens are in the prompt
+
+
+@pytest.mark.parametrize("photo", PHOTOS)
+def test_streaming_chat_with_photo(openai_client: OpenAI, model_name: str, photo: str) -> None:
+    stream = openai_client.chat.completions.create(
+        model=model_name,
+        messages=primary_messages(photo_uri(photo)),  # type: ignore[arg-type]
+        max_tokens=N_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == N_TOKENS
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+
+
+def test_two_pass_primary_then_rescue(openai_client: OpenAI, model_name: str) -> None:
+    image = photo_uri("coffee.png")
+    usages = []
+    for messages in (primary_messages(image), rescue_messages(image)):
+        resp = openai_client.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert resp.choices[0].message is not None
+        assert resp.usage is not None
+        usages.append(resp.usage.prompt_tokens)
+    assert usages[1] > usages[0]  # the rescue prompt is longer
+
+
+def test_text_completion(openai_client: OpenAI, model_name: str) -> None:
+    resp = openai_client.completions.create(model=model_name, prompt="The safety check", max_tokens=3)
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+
+
+def test_models_lists_the_served_model(openai_client: OpenAI, model_name: str) -> None:
+    assert [m.id for m in openai_client.models.list()] == [model_name]
+
+
+def test_health_ready_version(server: ServerProcess) -> None:
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "alive", "engine": "ready"}
+    ready = httpx.get(server.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    version = httpx.get(server.url + "/version").json()
+    assert version["vllm_version"] == "0.20.0"
+    assert version["version"]
+
+
+def test_metrics_include_vllm_series(server: ServerProcess, openai_client: OpenAI, model_name: str) -> None:
+    openai_client.completions.create(model=model_name, prompt="hello", max_tokens=2)
+    resp = httpx.get(server.url + "/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    assert "vllm:prompt_tokens_total" in resp.text
+    assert "vllm:num_requests_running" in resp.text
+
+
+def _assert_envelope(resp: httpx.Response, status: int, needle: str) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == status
+    assert needle in err["message"]
+    assert set(err) >= {"message", "type", "param", "code"}
+
+
+def test_malformed_json_is_400(server: ServerProcess) -> None:
+    resp = httpx.post(
+        server.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    _assert_envelope(resp, 400, "JSON")
+
+
+def test_missing_messages_is_400(server: ServerProcess, model_name: str) -> None:
+    resp = httpx.post(server.url + "/v1/chat/completions", json={"model": model_name})
+    _assert_envelope(resp, 400, "messages")
+    assert resp.json()["error"]["param"] == "messages"
+
+
+def test_negative_max_tokens_is_400(server: ServerProcess, model_name: str) -> None:
+    body = {"model": model_name, "max_tokens": -1, "messages": [{"role": "user", "content": "hi"}]}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body)
+    _assert_envelope(resp, 400, "max_tokens")
+
+
+def test_unknown_model_is_404(server: ServerProcess) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body)
+    _assert_envelope(resp, 404, "no-such-model")

@@ -1,0 +1,75 @@
+"""``vlguard serve`` argument handling: vLLM's own parser plus guard flags, profiles and env."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.cli import describe_config, resolve_serve_args
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTION_LINE = (
+    "--model Qwen/Qwen3-VL-30B-A3B-Instruct-FP8 --quantization fp8 --kv-cache-dtype fp8_e4m3 --max-model-len 8192 "
+    "--gpu-memory-utilization 0.50 --enable-prefix-caching --enable-chunked-prefill --max-num-seqs 40 --seed 0"
+).split()
+
+
+def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
+    # A separate process with no network and no GPU: parsing must not load or download anything.
+    out = subprocess.run(
+        [sys.executable, "-m", "server", "serve", *PRODUCTION_LINE, "--print-config"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    engine = cfg["engine"]
+    assert engine["model"] == "Qwen/Qwen3-VL-30B-A3B-Instruct-FP8"
+    assert engine["quantization"] == "fp8"
+    assert engine["kv_cache_dtype"] == "fp8_e4m3"
+    assert engine["max_model_len"] == 8192
+    assert engine["gpu_memory_utilization"] == 0.5
+    assert engine["enable_prefix_caching"] is True
+    assert engine["enable_chunked_prefill"] is True
+    assert engine["max_num_seqs"] == 40
+    assert engine["seed"] == 0
+    assert cfg["guard"]["patches"] is True
+
+
+def test_production_profile_equals_production_line() -> None:
+    profile = REPO / "config" / "qwen3-vl-30b-a3b-fp8.yaml"
+    from_line = describe_config(*resolve_serve_args(["serve", *PRODUCTION_LINE]))
+    from_profile = describe_config(*resolve_serve_args(["serve", "--config", str(profile)]))
+    assert from_profile["engine"] == from_line["engine"]
+
+
+def test_guard_flag_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLGUARD_PATCHES", "off")
+    _, settings = resolve_serve_args(["serve", "m", "--guard-patches", "on"])
+    assert settings.patches is True
+    _, settings = resolve_serve_args(["serve", "m"])
+    assert settings.patches is False
+
+
+def test_guard_option_in_profile(tmp_path: Path) -> None:
+    profile = tmp_path / "p.yaml"
+    profile.write_text('guard-patches: "off"\nguard-startup-timeout: 60\nmax-model-len: 1024\n')
+    args, settings = resolve_serve_args(["serve", "m", "--config", str(profile)])
+    assert settings.patches is False and settings.startup_timeout == 60
+    assert args.max_model_len == 1024
+
+
+def test_invalid_guard_value_is_refused() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        resolve_serve_args(["serve", "m", "--guard-startup-timeout", "-5"])
+
+
+def test_unknown_flag_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        resolve_serve_args(["serve", "m", "--no-such-flag"])
