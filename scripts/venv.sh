@@ -46,14 +46,18 @@ if [ ! -x "$venv/bin/python" ]; then
   trap - EXIT
 fi
 
-# Point the environment at this clone (editable install; fast when already pointing here). The vLLM plugin
-# entry points live in the package metadata, so the project must be installed, not only on PYTHONPATH.
-here=$(cd / && "$venv/bin/python" -I -c 'import importlib.metadata as m, json
-try: print(json.loads(m.distribution("vlguard").read_text("direct_url.json"))["url"])
-except Exception: pass')
-if [ "$here" != "file://$root" ]
-then
-  "$venv/bin/python" -m pip install --no-input --no-deps --no-build-isolation -q -e "$root" >&2
-fi
+# Point the environment at this clone (editable installs; fast when already pointing here): vlguard
+# itself and the test-only vLLM plugins. Plugin entry points live in package metadata, so both must be
+# installed, not only on PYTHONPATH.
+for pkg in "vlguard=$root" "vlguard-test-plugins=$root/tests/plugins"; do
+  name=${pkg%%=*} dir=${pkg#*=}
+  # Reinstall when the clone or the package metadata (entry points) changed.
+  want="$dir $(sha256sum "$dir/pyproject.toml" | cut -c1-16)"
+  marker="$venv/.editable-$name"
+  if [ "$(cat "$marker" 2>/dev/null)" != "$want" ]; then
+    "$venv/bin/python" -m pip install --no-input --no-deps --no-build-isolation -q -e "$dir" >&2
+    echo "$want" > "$marker"
+  fi
+done
 
 echo "$venv/bin/python"

@@ -20,8 +20,10 @@ from fastapi import FastAPI
 from server import __version__
 from server.api.errors import install_error_handlers
 from server.api.health import router as health_router
+from server.guard.admission import AdmissionMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import Supervisor
+from server.guard.systemd import Notifier
 from server.settings import GuardSettings
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,17 @@ async def _log_stats_forever(client: GuardedEngineClient, interval_s: float) -> 
             await client.do_log_stats()
 
 
+async def _report_state_forever(supervisor: Supervisor, notifier: Notifier) -> None:
+    """``STATUS=`` for systemctl status: the engine state and generation, on every change."""
+    last = None
+    while True:
+        now = (supervisor.state.value, supervisor.generation)
+        if now != last:
+            notifier.status(f"engine {now[0]} (generation {now[1]})")
+            last = now
+        await asyncio.sleep(supervisor.settings.watchdog_interval)
+
+
 def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Supervisor) -> FastAPI:
     """Build the vlguard app.
 
@@ -73,24 +86,30 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         supervisor: owns the engine; started by the app's lifespan, shut down when it ends.
     """
 
+    notifier = Notifier()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from vllm.entrypoints.openai.api_server import init_app_state
 
+        notifier.status("loading engine")
         async with supervisor.running():
             client = GuardedEngineClient(supervisor)
             tasks = await client.get_supported_tasks()
             await init_app_state(cast(Any, client), app.state, args, tasks)
-            stats = None
+            background = [asyncio.create_task(notifier.watchdog_forever(supervisor.healthy))]
+            background.append(asyncio.create_task(_report_state_forever(supervisor, notifier)))
             if not args.disable_log_stats:
                 import vllm.envs as envs
 
-                stats = asyncio.create_task(_log_stats_forever(client, envs.VLLM_LOG_STATS_INTERVAL))
+                background.append(asyncio.create_task(_log_stats_forever(client, envs.VLLM_LOG_STATS_INTERVAL)))
+            notifier.ready()
             try:
                 yield
             finally:
-                if stats is not None:
-                    stats.cancel()
+                notifier.stopping()
+                for task in background:
+                    task.cancel()
 
     docs = {} if not args.disable_fastapi_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="vlguard", version=__version__, lifespan=lifespan, **docs)  # type: ignore[arg-type]
@@ -101,5 +120,6 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.include_router(health_router)
     _attach_openai_routes(app)
     _add_middleware(app, args)
+    app.add_middleware(AdmissionMiddleware, supervisor=supervisor)
     install_error_handlers(app)
     return app

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING
 
 from server.settings import GuardSettings
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 #: Process exit statuses. Anything non-zero makes systemd's ``Restart=on-failure`` fire.
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 3
+EXIT_ENGINE_FAILED = 4  # restarts kept failing or the restart budget was spent
 
 logger = logging.getLogger("server")
 
@@ -26,6 +34,26 @@ def _configure_logging() -> None:
     root.propagate = False
 
 
+#: Added to vLLM's ``additional_config`` when patches are on. It enters vLLM's config hash, so the
+#: torch.compile cache of a patched engine never reuses one compiled by stock vLLM, whose graph was traced
+#: without the deepstack additions (vLLM's AOT compile cache loads a stored graph without re-tracing).
+COMPILE_CACHE_KEY = {"vlguard_deepstack_patches": "v1"}
+
+
+def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngineArgs:
+    """vLLM's engine arguments for ``args``, plus vlguard's compile-cache key when patches are on."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    result = AsyncEngineArgs.from_cli_args(args)
+    if settings.patches and isinstance(result.additional_config, dict):
+        result.additional_config = {**result.additional_config, **COMPILE_CACHE_KEY}
+    # Replays re-submit already processed inputs to a new engine core, which holds no cached images: the
+    # API-side processor cache would have stripped the image data from them (vLLM's "Expected a cached
+    # item for mm_hash" assertion). The engine core's encoder cache still saves the vision encoder's work.
+    result.mm_processor_cache_gb = 0
+    return result
+
+
 def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     """Serve until SIGINT/SIGTERM.
 
@@ -34,18 +62,21 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     """
     import uvicorn
     import vllm.envs as envs
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
-    from server.guard.supervisor import Supervisor
+    from server.guard.fatal import ENV as FATAL_ENV
+    from server.guard.supervisor import EngineState, Supervisor
 
     _configure_logging()
-    # The patch plugin runs in every vLLM process; spawned engine processes inherit this.
+    # The patch plugin runs in every vLLM process; spawned engine processes inherit this. It must be set
+    # before vLLM loads its plugins (when the engine arguments are built below).
     os.environ["VLGUARD_PATCHES"] = "on" if settings.patches else "off"
     set_ulimit()
 
-    supervisor = Supervisor(AsyncEngineArgs.from_cli_args(args), settings)
+    state_dir = tempfile.mkdtemp(prefix="vlguard-state-")
+    os.environ[FATAL_ENV] = state_dir  # engine cores record their fatal errors here
+    supervisor = Supervisor(engine_args(args, settings), settings, state_dir=state_dir)
     app = create_app(args, settings, supervisor)
     config = uvicorn.Config(
         app,
@@ -59,10 +90,22 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
         lifespan="on",
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # SIGTERM: drain in-flight requests, bounded
     )
     server = uvicorn.Server(config)
-    server.run()
+
+    def give_up() -> None:
+        server.should_exit = True
+
+    supervisor.on_failed = give_up
+    try:
+        server.run()
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
     if not server.started:
         logger.error("server did not start (engine state: %s)", supervisor.state.value)
         return EXIT_STARTUP_FAILED
+    if supervisor.state is EngineState.FAILED:
+        logger.critical("engine could not be restarted; exiting with status %d", EXIT_ENGINE_FAILED)
+        return EXIT_ENGINE_FAILED
     return EXIT_OK

@@ -23,7 +23,49 @@ class GuardSettings(BaseSettings):
     (on/off). Off is for A/B runs only."""
 
     startup_timeout: float = Field(default=1800.0, gt=0)
-    """Seconds the engine may take to load and compile before start-up is declared failed."""
+    """Seconds the engine may take to load and compile (at start and at each restart) before that
+    attempt is declared failed."""
+
+    restart_max: int = Field(default=5, ge=0)
+    """In-process engine restarts allowed within ``restart_window`` seconds; one more and the process
+    exits non-zero so systemd or Docker restart it."""
+
+    restart_window: float = Field(default=600.0, gt=0)
+    """Seconds over which ``restart_max`` is counted."""
+
+    restart_backoff: float = Field(default=1.0, ge=0)
+    """Seconds before the second restart attempt after a failed one; doubles with each failure."""
+
+    hold_timeout: float = Field(default=120.0, gt=0)
+    """Seconds a request waits for the engine to become ready before it gets 503 + Retry-After."""
+
+    max_held: int = Field(default=512, ge=0)
+    """Requests that may wait for the engine at once; more get 503 + Retry-After at once."""
+
+    max_replays: int = Field(default=3, ge=0)
+    """Times one request may be replayed or resumed on a new engine."""
+
+    quarantine_deaths: int = Field(default=2, ge=1)
+    """Engine deaths a request may be in flight for before it is quarantined (refused, never replayed)."""
+
+    quarantine_size: int = Field(default=4096, ge=1)
+    """Fingerprints the quarantine remembers at most (least recently seen are forgotten first)."""
+
+    quarantine_ttl: float = Field(default=3600.0, gt=0)
+    """Seconds after its last death that a fingerprint is forgotten."""
+
+    hang_timeout: float = Field(default=60.0, gt=0)
+    """Seconds of no engine output while requests are pending before the engine counts as hung."""
+
+    watchdog_interval: float = Field(default=1.0, gt=0)
+    """Seconds between the supervisor's liveness checks of the engine-core process."""
+
+    ready_probe_interval: float = Field(default=10.0, gt=0)
+    """Seconds between one-token readiness probes when the engine is idle; /ready needs one that
+    succeeded within three intervals (engine output from real traffic counts too)."""
+
+    drain_timeout: float = Field(default=30.0, ge=0)
+    """Seconds SIGTERM waits for in-flight requests before the engine is stopped."""
 
 
 def settings_from_flags(flags: dict[str, str]) -> GuardSettings:

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.guard.quarantine import QuarantinedRequestError
 from server.guard.supervisor import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ async def _on_http(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
+async def _on_quarantined(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(HTTPStatus.BAD_REQUEST, str(exc))
+
+
 async def _on_unavailable(_: Request, exc: Exception) -> JSONResponse:
     return error_response(
         HTTPStatus.SERVICE_UNAVAILABLE, f"Engine unavailable: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)}
@@ -90,6 +95,7 @@ def install_error_handlers(app: FastAPI) -> None:
     |---|---|
     | ``RequestValidationError`` (bad JSON, missing or wrong fields) | 400 |
     | ``HTTPException`` | its own |
+    | ``QuarantinedRequestError`` (poison request) | 400 |
     | ``EngineUnavailableError``, vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
     | ``VLLMValidationError``, ``ValueError``, ``TypeError`` (bad input) | 400 |
     | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
@@ -98,6 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(QuarantinedRequestError, _on_quarantined)
     app.add_exception_handler(EngineUnavailableError, _on_unavailable)
     app.add_exception_handler(EngineDeadError, _on_unavailable)
     app.add_exception_handler(Exception, _on_other)

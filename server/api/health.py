@@ -3,7 +3,7 @@
 ``/health`` is liveness: 200 while this process can still serve or recover (including while the engine
 starts or restarts), 503 only once the supervisor has given up. This differs from stock vLLM, whose
 ``/health`` reflects the engine; orchestrators should restart on ``/health`` and route on ``/ready``.
-``/ready`` is 200 only while the engine is READY and has not errored.
+``/ready`` is 200 only while the engine is READY and a one-token probe (or real output) succeeded recently.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ async def health(supervisor: SupervisorDep) -> JSONResponse:
 
 @router.get("/ready")
 async def ready(supervisor: SupervisorDep) -> JSONResponse:
-    """Readiness: 200 ``{"ready": true}`` only while the engine is READY and not errored, else 503."""
-    is_ready = supervisor.state is EngineState.READY and not supervisor.engine.errored
+    """Readiness: 200 ``{"ready": true}`` only while the engine is READY and answered a one-token probe
+    (or real traffic) recently; 503 + Retry-After otherwise (starting, restarting, failed)."""
+    is_ready = supervisor.is_ready()
     return JSONResponse(
         {"ready": is_ready, "engine": supervisor.state.value},
         status_code=200 if is_ready else 503,
@@ -42,10 +43,12 @@ async def ready(supervisor: SupervisorDep) -> JSONResponse:
 
 @router.get("/version")
 async def version() -> JSONResponse:
-    """``{"version": <vlguard>, "vllm_version": <vllm>}``."""
+    """``{"version": <vlguard>, "vllm_version": <vllm>, "patches": {"enabled", "active", "classes"}}``."""
     import vllm
 
-    return JSONResponse({"version": __version__, "vllm_version": vllm.__version__})
+    from server import patches
+
+    return JSONResponse({"version": __version__, "vllm_version": vllm.__version__, "patches": patches.report()})
 
 
 @router.get("/metrics")

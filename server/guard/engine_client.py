@@ -1,27 +1,74 @@
-"""The engine client handed to vLLM's OpenAI serving classes.
+"""The engine client handed to vLLM's OpenAI serving classes: where requests survive engine deaths.
 
-This is the seam between vLLM's serving layer and the supervised engine: the serving classes call
-``generate()``/``abort()`` and read ``model_config``, ``renderer`` and friends exactly as they would on an
-``AsyncLLM``, but every call goes through the supervisor to whatever engine is current. Request
-holding, replay and resume during engine restarts live here.
+vLLM's serving classes call ``generate()``/``abort()`` and read ``model_config``, ``renderer`` and
+friends exactly as on an ``AsyncLLM``; every call goes through the supervisor to whatever engine is
+current. When the engine dies under a request:
+
+* nothing sent to the client yet (every non-streaming request, and streams before their first token):
+  the request is **replayed** on the new engine with the same prompt, images and sampling parameters;
+* a stream that already sent tokens is **resumed**: the new engine continues from the prompt plus the
+  tokens already sent, with ``max_tokens`` lowered by as many, so the client's stream goes on without a
+  gap or a duplicate (greedy streams are token-identical to uninterrupted ones);
+* a request already in flight at an earlier death runs on probation, alone among such suspects, so the
+  quarantine charges the next death to the poison request, not to innocent requests that shared its batch;
+* where resuming is impossible (``n > 1``, cumulative outputs, a prompt without token ids) or the
+  request is quarantined, the error propagates: a stream then ends with an OpenAI error event.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterable
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
+
+from server.guard.quarantine import QuarantinedRequestError, fingerprint
+from server.guard.supervisor import EngineState, EngineUnavailableError
+from server.metrics import definitions as m
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
 
     from server.guard.supervisor import Supervisor
 
+logger = logging.getLogger(__name__)
+
+
+class NotResumableError(EngineUnavailableError):
+    """The engine died after tokens were streamed and this request cannot be resumed. HTTP 503."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="not_resumable")
+
+
+def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[Any, Any]:
+    """The prompt and sampling parameters that continue a request after ``sent`` generated tokens.
+
+    Arguments:
+        prompt: the processed engine input (dict with ``prompt_token_ids``; image placeholders stay put).
+        sampling_params: the original ``SamplingParams``.
+        sent: token ids already delivered to the client.
+
+    Raises:
+        NotResumableError: the prompt has no token ids.
+    """
+    if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+        raise NotResumableError("engine restarted mid-stream and this prompt cannot be resumed")
+    resumed = dict(prompt)
+    resumed["prompt_token_ids"] = [*prompt["prompt_token_ids"], *sent]
+    params = sampling_params.clone()
+    if params.max_tokens is not None:
+        params.max_tokens = max(1, params.max_tokens - len(sent))
+    params.min_tokens = max(0, (params.min_tokens or 0) - len(sent))
+    return resumed, params
+
 
 class GuardedEngineClient:
     """Duck-typed ``vllm.engine.protocol.EngineClient`` over the supervisor's current engine.
 
     Arguments:
-        supervisor: owns the engine; ``supervisor.engine`` raises when it is not READY.
+        supervisor: owns the engine, the quarantine and the in-flight registry.
     """
 
     def __init__(self, supervisor: Supervisor) -> None:
@@ -33,27 +80,121 @@ class GuardedEngineClient:
         """Stream ``RequestOutput`` objects for one request (same contract as ``AsyncLLM.generate``).
 
         Raises:
-            EngineUnavailableError: the engine is not READY.
-            vllm.v1.engine.exceptions.EngineDeadError: the engine died while the request was in flight.
+            EngineUnavailableError: no engine became READY in time (503), or the request could not be
+                carried over a death (not resumable, replay limit).
+            QuarantinedRequestError: the request is quarantined (400).
         """
-        engine = self._supervisor.engine
-        async for output in engine.generate(prompt, sampling_params, request_id, **kwargs):
-            yield output
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        sup = self._supervisor
+        fp = fingerprint(prompt, sampling_params)
+        self._check_quarantine(fp)
+        delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
+        single = getattr(sampling_params, "n", 1) == 1
+        original_prompt_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        sent: list[int] = []
+        yielded = False
+        carries = 0
+        while True:
+            try:
+                engine, generation = await sup.acquire()
+            except EngineUnavailableError as exc:
+                m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
+                raise
+            attempt_prompt, attempt_params = prompt, sampling_params
+            if sent:
+                attempt_prompt, attempt_params = resume_input(prompt, sampling_params, sent)
+            try:
+                async with self._probation(fp):
+                    if generation != sup.generation:  # the engine died while this request waited
+                        continue
+                    if not sup.inflight:
+                        sup.note_progress(output=False)  # idle -> busy: the hang clock starts now
+                    sup.inflight[request_id] = (fp, generation)
+                    m.REQUESTS_INFLIGHT.set(len(sup.inflight))
+                    async for output in engine.generate(attempt_prompt, attempt_params, request_id, **kwargs):
+                        sup.note_progress()
+                        if sent and original_prompt_ids is not None:
+                            output.prompt_token_ids = original_prompt_ids
+                        if delta and single and output.outputs:
+                            sent.extend(output.outputs[0].token_ids)
+                        yielded = True
+                        yield output
+                    return
+            except EngineDeadError:
+                sup.report_death(generation)
+            finally:
+                sup.inflight.pop(request_id, None)
+                m.REQUESTS_INFLIGHT.set(len(sup.inflight))
+            # The engine died under this request: quarantine, then replay or resume on the next engine.
+            self._check_quarantine(fp)
+            carries += 1
+            if carries > sup.settings.max_replays:
+                m.REQUESTS_FAILED.labels(reason="replay_limit").inc()
+                raise EngineUnavailableError("request outlived too many engine deaths", reason="replay_limit")
+            if yielded and not (delta and single and sent):
+                m.REQUESTS_FAILED.labels(reason="not_resumable").inc()
+                raise NotResumableError("engine restarted after output was sent; this request cannot be resumed")
+            (m.REQUESTS_RESUMED if sent else m.REQUESTS_REPLAYED).inc()
+            logger.warning(
+                "request %s (%s) carried to the next engine: %s",
+                request_id, fp, f"resume after {len(sent)} tokens" if sent else "replay",
+            )  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def _probation(self, fp: str) -> AsyncIterator[None]:
+        """Serialise requests that were already in flight at a death (one suspect in the engine at a time).
+
+        Raises:
+            EngineUnavailableError: the probation slot did not free up within ``hold_timeout``.
+        """
+        sup = self._supervisor
+        if sup.quarantine.strikes(fp) == 0:
+            yield
+            return
+        try:
+            await asyncio.wait_for(sup.probation.acquire(), sup.settings.hold_timeout)
+        except TimeoutError:
+            m.REQUESTS_FAILED.labels(reason="hold_timeout").inc()
+            raise EngineUnavailableError("request waited too long for its probation slot") from None
+        try:
+            yield
+        finally:
+            sup.probation.release()
+
+    def _check_quarantine(self, fp: str) -> None:
+        try:
+            self._supervisor.quarantine.check(fp)
+        except QuarantinedRequestError:
+            m.REQUESTS_QUARANTINED.inc()
+            logger.warning("refused quarantined request %s", fp)
+            raise
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests in the current engine (no-op when no engine is READY)."""
-        if self._supervisor.state.value == "ready":
+        if self._supervisor.state is EngineState.READY:
             await self._supervisor.engine.abort(request_id)
 
     @property
     def errored(self) -> bool:
-        """True when the current engine has died (vLLM's flag; the supervisor is the authority)."""
-        try:
-            return bool(self._supervisor.engine.errored)
-        except RuntimeError:
-            return True
+        """True only when the supervisor gave up: a dead engine is being replaced, not an error."""
+        return self._supervisor.state is EngineState.FAILED
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineUnavailableError("engine failed and could not be restarted", reason="engine_failed")
+
+    @property
+    def is_running(self) -> bool:
+        return self._supervisor.state is EngineState.READY
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._supervisor.state in (EngineState.STOPPED, EngineState.FAILED)
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (model_config, renderer, input_processor, vllm_config, get_supported_tasks,
-        # check_health, do_log_stats, ...) is the current engine's own.
-        return getattr(self._supervisor.engine, name)
+        # check_health, do_log_stats, ...) is the engine's own: the latest one built, so that the serving
+        # layer's reads of static attributes keep working while a dead engine is being replaced.
+        return getattr(self._supervisor.latest_engine, name)

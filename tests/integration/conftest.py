@@ -24,6 +24,18 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         srv.stop()
 
 
+@pytest.fixture(scope="session")
+def eager_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """``vlguard serve --enforce-eager`` (patches on) on the tiny model: the numerical reference."""
+    log = tmp_path_factory.mktemp("logs") / "vlguard-eager.log"
+    srv = ServerProcess(vlguard_argv(tiny_model, "--enforce-eager"), log).start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture
 def openai_client(server: ServerProcess):  # type: ignore[no-untyped-def]
     from openai import OpenAI

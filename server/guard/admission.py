@@ -1,0 +1,43 @@
+"""Hold generation requests at the door while the engine starts or restarts (pure ASGI middleware).
+
+A request that arrives while the engine is not READY waits (bounded by ``hold_timeout`` and
+``max_held``) before vLLM's route handler runs, so that a stream can still be refused with a proper
+503 + ``Retry-After`` instead of a 200 followed by an error event. Requests already inside an engine are
+carried over deaths by the engine client.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.api.errors import error_response
+from server.guard.supervisor import EngineState, EngineUnavailableError, Supervisor
+from server.metrics import definitions as m
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+class AdmissionMiddleware:
+    """Arguments:
+    app: the ASGI app to guard.
+    supervisor: whose readiness gates generation requests."""
+
+    def __init__(self, app: ASGIApp, supervisor: Supervisor) -> None:
+        self.app = app
+        self.supervisor = supervisor
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in GENERATION_PATHS
+            and self.supervisor.state is not EngineState.READY
+        ):
+            try:
+                await self.supervisor.acquire()
+            except EngineUnavailableError as exc:
+                m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
+                response = error_response(503, f"Engine unavailable: {exc}", headers={"Retry-After": "5"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

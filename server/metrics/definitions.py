@@ -1,0 +1,87 @@
+"""Every ``vlguard_*`` metric, defined once (name, type, labels, help, buckets).
+
+Imported lazily by whichever process records a metric: the API process (guard, patches), the engine
+core (alignment) and the workers (deepstack buffer). Under ``PROMETHEUS_MULTIPROC_DIR`` each process
+writes its own files and ``/metrics`` aggregates them; gauges declare how to combine processes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+# -- patches (every process) --------------------------------------------------------------------------
+PATCH_ACTIVE = Gauge(
+    "vlguard_patch_active",
+    "1 when a vlguard backport is active for the installed vLLM, 0 when it is not needed or disabled.",
+    ["patch", "vllm_version"],
+    multiprocess_mode="mostrecent",
+)
+
+# -- deepstack buffer (worker processes) --------------------------------------------------------------
+DEEPSTACK_CAPACITY = Gauge(
+    "vlguard_deepstack_buffer_capacity_tokens",
+    "Rows (tokens) the deepstack buffer can hold per level.",
+    multiprocess_mode="mostrecent",
+)
+DEEPSTACK_WRITTEN = Histogram(
+    "vlguard_deepstack_written_tokens",
+    "Deepstack rows written per step that carries image or video tokens.",
+    buckets=_TOKEN_BUCKETS,
+)
+DEEPSTACK_OCCUPANCY = Histogram(
+    "vlguard_deepstack_occupancy_ratio",
+    "Written rows / buffer capacity, per step that carries image or video tokens.",
+    buckets=_RATIO_BUCKETS,
+)
+DEEPSTACK_PADDED_READS = Counter(
+    "vlguard_deepstack_padded_reads",
+    "Deepstack reads past the written rows (CUDA-graph padding); each one is a crash on stock vLLM 0.20.0.",
+)
+DEEPSTACK_PADDING = Counter(
+    "vlguard_deepstack_padding_tokens",
+    "Zero rows served past the written rows by padded deepstack reads.",
+)
+
+# -- engine guard (API process) -----------------------------------------------------------------------
+ENGINE_UP = Gauge("vlguard_engine_up", "1 while the engine is READY, else 0.", multiprocess_mode="mostrecent")
+ENGINE_STATE = Gauge(
+    "vlguard_engine_state",
+    "1 for the supervisor's current state (starting, ready, dead, restarting, failed, stopped), 0 for the others.",
+    ["state"],
+    multiprocess_mode="mostrecent",
+)
+ENGINE_DEATHS = Counter(
+    "vlguard_engine_deaths", "Engine deaths, by cause (deepstack, process_exit, hang, exception).", ["cause"]
+)
+ENGINE_RESTARTS = Counter(
+    "vlguard_engine_restarts", "In-process engine restart attempts, by outcome (success, failure).", ["outcome"]
+)
+RESTART_DURATION = Histogram(
+    "vlguard_engine_restart_duration_seconds",
+    "From the engine's death to the new engine READY.",
+    buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+)
+REQUESTS_HELD = Gauge(
+    "vlguard_requests_held", "Requests waiting for the engine to become READY.", multiprocess_mode="mostrecent"
+)
+REQUESTS_INFLIGHT = Gauge(
+    "vlguard_requests_inflight", "Requests inside the engine now.", multiprocess_mode="mostrecent"
+)
+REQUESTS_REPLAYED = Counter(
+    "vlguard_requests_replayed", "Requests re-submitted from scratch to a new engine after a death."
+)
+REQUESTS_RESUMED = Counter(
+    "vlguard_requests_resumed", "Streams continued on a new engine from the tokens already sent."
+)
+REQUESTS_FAILED = Counter(
+    "vlguard_requests_failed",
+    "Requests the guard could not save, by reason (hold_timeout, too_many_held, engine_failed, "
+    "not_resumable, replay_limit).",
+    ["reason"],
+)
+REQUESTS_QUARANTINED = Counter(
+    "vlguard_requests_quarantined", "Requests refused because their fingerprint is quarantined."
+)

@@ -1,0 +1,68 @@
+"""Compiled vs ``--enforce-eager`` on image prompts (float32, greedy, logprobs): CASES C3 and C4.
+
+Stock vLLM 0.20.0 traces the compiled decoder with ``deepstack_input_embeds=None`` during profiling, so
+compiled output ignores the image's deepstack features: image prompts differ from eager while text
+prompts match. With vlguard's ``deepstack_empty_buffer`` backport they match, even on a fresh server
+whose first request is text-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.integration.outputs import IMAGE_PROMPTS, TEXT_PROMPT, Greedy, assert_same, greedy
+from tests.servers import ServerProcess, vlguard_argv
+
+
+def _serve(tiny_model: Path, tmp: pytest.TempPathFactory, name: str, *flags: str) -> Iterator[OpenAI]:
+    srv = ServerProcess(vlguard_argv(tiny_model, *flags), tmp.mktemp("logs") / f"{name}.log").start()
+    try:
+        srv.wait_ready()
+        with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            yield client
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def eager_reference(eager_server: ServerProcess, model_name: str) -> dict[str, Greedy]:
+    """Eager outputs for the text and image prompts (eager is correct on stock vLLM too)."""
+    with OpenAI(base_url=eager_server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        out = {"text": greedy(client, model_name, TEXT_PROMPT)}
+        out.update({name: greedy(client, model_name, msgs) for name, msgs in IMAGE_PROMPTS.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    yield from _serve(tiny_model, tmp_path_factory, "compiled-stock", "--guard-patches", "off")
+
+
+@pytest.fixture(scope="module")
+def fresh_compiled_patched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    yield from _serve(tiny_model, tmp_path_factory, "compiled-patched")
+
+
+def test_stock_compiled_ignores_image_deepstack(
+    compiled_stock: OpenAI, eager_reference: dict[str, Greedy], model_name: str
+) -> None:
+    assert_same(greedy(compiled_stock, model_name, TEXT_PROMPT), eager_reference["text"])
+    differing = [
+        name
+        for name, msgs in IMAGE_PROMPTS.items()
+        if greedy(compiled_stock, model_name, msgs).token_ids != eager_reference[name].token_ids
+    ]
+    assert differing == list(IMAGE_PROMPTS)  # the bug is visible on every image prompt
+
+
+def test_patched_compiled_matches_eager_after_text_first(
+    fresh_compiled_patched: OpenAI, eager_reference: dict[str, Greedy], model_name: str
+) -> None:
+    # The server's very first request is text-only (CASES C4), then the image prompts (C3).
+    assert_same(greedy(fresh_compiled_patched, model_name, TEXT_PROMPT), eager_reference["text"])
+    for name, msgs in IMAGE_PROMPTS.items():
+        assert_same(greedy(fresh_compiled_patched, model_name, msgs), eager_reference[name])

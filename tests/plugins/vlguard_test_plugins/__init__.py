@@ -1,0 +1,1 @@
+"""Test-only vLLM plugins: CUDA-graph padding emulation and fault injection on CPU."""
