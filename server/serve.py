@@ -8,7 +8,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.settings import GuardSettings
 
@@ -40,17 +40,29 @@ def _configure_logging() -> None:
 COMPILE_CACHE_KEY = {"vlguard_deepstack_patches": "v1"}
 
 
+def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[str, Any]:
+    """The engine arguments vlguard sets on top of the parsed ``vllm serve`` flags.
+
+    - ``additional_config`` gains vlguard's compile-cache key when patches are on;
+    - ``mm_processor_cache_gb`` is 0: replays re-submit already processed inputs to a new engine core,
+      which holds no cached images, and the API-side processor cache would have stripped the image data
+      from them (vLLM's "Expected a cached item for mm_hash" assertion). The engine core's encoder cache
+      still saves the vision encoder's work.
+    """
+    overrides: dict[str, Any] = {"mm_processor_cache_gb": 0}
+    additional = getattr(args, "additional_config", None)
+    if settings.patches and isinstance(additional, dict):
+        overrides["additional_config"] = {**additional, **COMPILE_CACHE_KEY}
+    return overrides
+
+
 def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngineArgs:
-    """vLLM's engine arguments for ``args``, plus vlguard's compile-cache key when patches are on."""
+    """vLLM's engine arguments for ``args`` with :func:`engine_overrides` applied."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     result = AsyncEngineArgs.from_cli_args(args)
-    if settings.patches and isinstance(result.additional_config, dict):
-        result.additional_config = {**result.additional_config, **COMPILE_CACHE_KEY}
-    # Replays re-submit already processed inputs to a new engine core, which holds no cached images: the
-    # API-side processor cache would have stripped the image data from them (vLLM's "Expected a cached
-    # item for mm_hash" assertion). The engine core's encoder cache still saves the vision encoder's work.
-    result.mm_processor_cache_gb = 0
+    for name, value in engine_overrides(args, settings).items():
+        setattr(result, name, value)
     return result
 
 

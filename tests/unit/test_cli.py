@@ -38,6 +38,8 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["max_num_seqs"] == 40
     assert engine["seed"] == 0
     assert cfg["guard"]["patches"] is True
+    assert engine["mm_processor_cache_gb"] == 0  # vlguard's override is shown, as it will be applied
+    assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
 
 
 def test_production_profile_equals_production_line() -> None:
