@@ -73,10 +73,22 @@ class NotifySocket:
         self._sock.close()
 
 
-def engine_core(srv: ServerProcess) -> psutil.Process:
-    cores = [p for p in srv.children() if "EngineCore" in " ".join(p.cmdline())]
-    assert len(cores) == 1, cores
-    return cores[0]
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()) if proc.status() != psutil.STATUS_ZOMBIE else ""
+    except psutil.Error:  # gone while we looked
+        return ""
+
+
+def engine_core(srv: ServerProcess, timeout_s: float = 30) -> psutil.Process:
+    """The server's one live engine-core process (waits while a replaced one is still being reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cores = [p for p in srv.children() if "EngineCore" in _cmdline(p)]
+        if len(cores) == 1 or time.monotonic() > deadline:
+            assert len(cores) == 1, cores
+            return cores[0]
+        time.sleep(0.2)
 
 
 def metric(srv: ServerProcess, name: str) -> float:
@@ -95,11 +107,22 @@ def wait_until(predicate: object, timeout_s: float, what: str, interval_s: float
     raise AssertionError(f"timed out waiting for {what}")
 
 
+REFUSED = -1
+
+
 def ready_transitions(srv: ServerProcess, stop: threading.Event, seen: list[int]) -> None:
-    """Poll /ready until ``stop``; record each distinct status in order (fails on refused connection)."""
-    with httpx.Client(timeout=5) as client:
+    """Poll /ready until ``stop``; record each distinct status in order, ``REFUSED`` for a refused connection.
+
+    A keep-alive connection the server closed between two polls is retried, not counted.
+    """
+    with httpx.Client(timeout=30) as client:
         while not stop.is_set():
-            status = client.get(srv.url + "/ready").status_code  # raises if the server stopped listening
+            try:
+                status = client.get(srv.url + "/ready").status_code
+            except httpx.ConnectError:
+                status = REFUSED
+            except httpx.RemoteProtocolError:
+                continue
             if not seen or seen[-1] != status:
                 seen.append(status)
             time.sleep(0.1)
@@ -226,7 +249,7 @@ async def test_kill_engine_core_with_32_requests_in_flight(guarded: ServerProces
     for status, ids, error in streams:
         assert status == 200
         assert (error is None and len(ids) == n_tokens) or error is not None, (len(ids), error)
-    assert seen[0] == 200 and 503 in seen and seen[-1] == 200, seen
+    assert seen[0] == 200 and 503 in seen and seen[-1] == 200 and REFUSED not in seen, seen
     assert metric(guarded, "vlguard_engine_deaths_total") == deaths_before + 1
     assert metric(guarded, "vlguard_engine_restarts_total") >= 1
     carried = metric(guarded, "vlguard_requests_replayed_total") + metric(guarded, "vlguard_requests_resumed_total")
@@ -301,7 +324,8 @@ def test_sigterm_stops_cleanly_with_stopping_notification(guarded: ServerProcess
     assert guarded.proc.wait(90) == -signal.SIGTERM
     notify.wait_for("STOPPING=1")
     _, alive = psutil.wait_procs(tree, timeout=30)
-    assert not alive
+    # multiprocessing's resource tracker exits on its own once the last holder of its pipe is gone.
+    assert not [p for p in alive if "resource_tracker" not in _cmdline(p)], alive
 
 
 def test_restart_failures_beyond_budget_exit_non_zero(tiny_model: Path, tmp_path: Path) -> None:
