@@ -259,22 +259,27 @@ async def test_kill_engine_core_with_32_requests_in_flight(guarded: ServerProces
 
 
 def test_interrupted_greedy_stream_is_token_identical(guarded: ServerProcess, model_name: str) -> None:
+    n_tokens = 256  # long enough that the stream is certainly still running when the engine is killed
     messages = [{"role": "user", "content": "Describe every hazard on a building site in detail."}]
-    reference, error = stream_tokens(guarded, model_name, messages, 64)
-    assert error is None and len(reference) == 64
+    reference, error = stream_tokens(guarded, model_name, messages, n_tokens)
+    assert error is None and len(reference) == n_tokens
+    deaths = metric(guarded, "vlguard_engine_deaths_total")
+    resumed = metric(guarded, "vlguard_requests_resumed_total")
     got_some = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(stream_tokens, guarded, model_name, messages, 64, got_some, 8)
+        future = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
         assert got_some.wait(60)
         engine_core(guarded).send_signal(signal.SIGKILL)
         ids, error = future.result()
     assert error is None
     assert ids == reference
-    assert metric(guarded, "vlguard_requests_resumed_total") >= 1
+    assert metric(guarded, "vlguard_engine_deaths_total") == deaths + 1
+    assert metric(guarded, "vlguard_requests_resumed_total") == resumed + 1
     wait_until(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready again")
 
 
 def test_stopped_engine_core_is_a_hang_and_recovers(guarded: ServerProcess, model_name: str) -> None:
+    wait_until(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     hangs_before = metric(guarded, "vlguard_engine_deaths_total")
     core = engine_core(guarded)
     core.send_signal(signal.SIGSTOP)
