@@ -71,10 +71,15 @@ async def _on_quarantined(_: Request, exc: Exception) -> JSONResponse:
     return error_response(HTTPStatus.BAD_REQUEST, str(exc))
 
 
-async def _on_unavailable(_: Request, exc: Exception) -> JSONResponse:
+def unavailable_response(exc: Exception) -> JSONResponse:
+    """503 + ``Retry-After`` in the OpenAI envelope: the engine is starting, restarting or gone."""
     return error_response(
         HTTPStatus.SERVICE_UNAVAILABLE, f"Engine unavailable: {exc}", headers={"Retry-After": str(RETRY_AFTER_S)}
     )
+
+
+async def _on_unavailable(_: Request, exc: Exception) -> JSONResponse:
+    return unavailable_response(exc)
 
 
 async def _on_other(request: Request, exc: Exception) -> JSONResponse:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from server import __version__
 from server.api.deps import SupervisorDep
+from server.api.errors import RETRY_AFTER_S
 from server.guard.supervisor import EngineState
 from server.metrics.registry import render_latest
 
@@ -37,7 +38,7 @@ async def ready(supervisor: SupervisorDep) -> JSONResponse:
     return JSONResponse(
         {"ready": is_ready, "engine": supervisor.state.value},
         status_code=200 if is_ready else 503,
-        headers=None if is_ready else {"Retry-After": "5"},
+        headers=None if is_ready else {"Retry-After": str(RETRY_AFTER_S)},
     )
 
 

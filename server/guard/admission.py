@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.errors import error_response
+from server.api.errors import unavailable_response
 from server.guard.supervisor import EngineState, EngineUnavailableError, Supervisor
 from server.metrics import definitions as m
 
@@ -37,7 +37,7 @@ class AdmissionMiddleware:
                 await self.supervisor.acquire()
             except EngineUnavailableError as exc:
                 m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
-                response = error_response(503, f"Engine unavailable: {exc}", headers={"Retry-After": "5"})
+                response = unavailable_response(exc)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
