@@ -7,22 +7,33 @@ returned ``BatchDescriptor.num_tokens`` is rounded up the same way, in every vLL
 plugins (the worker is a separate spawned process, hence a plugin). Steps above the largest size stay
 unpadded, as on GPU.
 
-The GPU runner marks the padded rows' KV slots ``-1`` and the CUDA cache kernels skip them; vLLM's CPU
-``cpu_attn_reshape_and_cache`` was never meant to see padding and does not. So the emulation also drops
-the ``-1`` rows before that call; without it the padded rows overwrite KV-cache memory and outputs
-change from run to run.
+On GPU the KV-cache write kernels write one row per slot-mapping entry and skip ``-1`` slots, so padded
+rows never reach the KV cache: the slot mapping is the unpadded length (piecewise graphs) or padded with
+``-1`` (full graphs). vLLM's CPU ``cpu_attn_reshape_and_cache`` was never meant to see padding: it writes
+one row per *key* row, reading slot-mapping entries past the view's end (stale slots of earlier steps),
+so padded rows would overwrite cached KV of other tokens and outputs would change from run to run. The
+emulation therefore gives that call the GPU semantics: keys cut to the slot mapping's length, ``-1``
+slots dropped. With it, padded runs match unpadded runs exactly (token ids and logprobs, compiled and
+eager; ``tests/integration/test_deepstack.py``).
+
+``VLGUARD_TEST_STEP_LOG=<path>`` also appends one JSON line per executed step to ``<path>``:
+``{"tokens": scheduled, "padded": run size, "mm": carries image/video placeholder tokens}``, computed
+from the scheduler output the worker receives (independent of vlguard's scheduler): the test-side
+recorder of the alignment invariant.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import logging
 import os
 from typing import Any
 
 ENV = "VLGUARD_TEST_EMULATE_PADDING"
 MAX_ENV = "VLGUARD_TEST_MAX_CAPTURE_SIZE"
+STEP_LOG_ENV = "VLGUARD_TEST_STEP_LOG"
 logger = logging.getLogger("vllm.vlguard.test_padding")
 
 
@@ -46,13 +57,46 @@ def _skip_padded_kv_slots() -> None:
 
     def cpu_attn_reshape_and_cache(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any,
                                    *args: Any) -> Any:  # fmt: skip
+        rows = slot_mapping.size(0)  # as the CUDA kernels: one KV write per slot-mapping entry
+        key, value = key[:rows], value[:rows]
         keep = slot_mapping >= 0
-        if bool(keep.all()):
-            return original(key, value, key_cache, value_cache, slot_mapping, *args)
-        return original(key[keep], value[keep], key_cache, value_cache, slot_mapping[keep], *args)
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        return original(key, value, key_cache, value_cache, slot_mapping, *args)
 
     cpu_attn_reshape_and_cache.__vlguard_test_padding__ = True  # type: ignore[attr-defined]
     ops.cpu_attn_reshape_and_cache = cpu_attn_reshape_and_cache
+
+
+def _carries_mm(runner: Any, scheduler_output: Any) -> bool:
+    """Whether any request's scheduled range overlaps one of its multimodal placeholders."""
+    ranges = {r.req_id: (r.num_computed_tokens, r.mm_features) for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        ranges[req_id] = (computed, runner.requests[req_id].mm_features)
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        computed, features = ranges[req_id]
+        for feature in features or ():
+            pos = feature.mm_position
+            if pos.offset < computed + n and pos.offset + pos.length > computed:
+                return True
+    return False
+
+
+def _record_steps(path: str, sizes: list[int]) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.execute_model
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        total = scheduler_output.total_num_scheduled_tokens
+        if total:
+            line = {"tokens": total, "padded": padded(total, sizes), "mm": _carries_mm(self, scheduler_output)}
+            with open(path, "a") as log:
+                log.write(json.dumps(line) + "\n")
+        return original(self, scheduler_output, *args, **kwargs)
+
+    GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
 
 
 def register() -> None:
@@ -76,4 +120,6 @@ def register() -> None:
     _determine_batch_execution_and_padding.__vlguard_test_padding__ = True  # type: ignore[attr-defined]
     GPUModelRunner._determine_batch_execution_and_padding = _determine_batch_execution_and_padding  # type: ignore[method-assign]
     _skip_padded_kv_slots()
+    if os.environ.get(STEP_LOG_ENV):
+        _record_steps(os.environ[STEP_LOG_ENV], sizes)
     logger.warning("vlguard test plugin: emulating CUDA-graph padding to capture sizes up to %d", sizes[-1])
