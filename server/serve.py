@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from server.alignment import MAX_CAPTURE_ENV, SCHEDULER_CLS
 from server.settings import GuardSettings
 
 if TYPE_CHECKING:
@@ -44,12 +45,19 @@ def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[
     """The engine arguments vlguard sets on top of the parsed ``vllm serve`` flags.
 
     - ``additional_config`` gains vlguard's compile-cache key when patches are on;
+    - ``scheduler_cls`` is vlguard's aligned scheduler when alignment is on (unless the user gave one);
     - ``mm_processor_cache_gb`` is 0: replays re-submit already processed inputs to a new engine core,
       which holds no cached images, and the API-side processor cache would have stripped the image data
       from them (vLLM's "Expected a cached item for mm_hash" assertion). The engine core's encoder cache
       still saves the vision encoder's work.
     """
     overrides: dict[str, Any] = {"mm_processor_cache_gb": 0}
+    if settings.alignment:
+        custom = getattr(args, "scheduler_cls", None)
+        if custom in (None, SCHEDULER_CLS):
+            overrides["scheduler_cls"] = SCHEDULER_CLS
+        else:
+            logger.warning("--scheduler-cls %s given: vlguard's chunk alignment is off", custom)
     additional = getattr(args, "additional_config", None)
     if settings.patches and isinstance(additional, dict):
         overrides["additional_config"] = {**additional, **COMPILE_CACHE_KEY}
@@ -84,6 +92,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     # The patch plugin runs in every vLLM process; spawned engine processes inherit this. It must be set
     # before vLLM loads its plugins (when the engine arguments are built below).
     os.environ["VLGUARD_PATCHES"] = "on" if settings.patches else "off"
+    if settings.alignment_max_capture_size:
+        os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
     set_ulimit()
 
     state_dir = tempfile.mkdtemp(prefix="vlguard-state-")

@@ -22,6 +22,14 @@ class GuardSettings(BaseSettings):
     """Backport the deepstack fixes into every vLLM process where the installed vLLM needs them
     (on/off). Off is for A/B runs only."""
 
+    alignment: bool = True
+    """Align every step that carries image tokens to a CUDA-graph capture size in the scheduler (on/off),
+    so the deepstack buffer is never read past what was written even without the backport."""
+
+    alignment_max_capture_size: int = Field(default=0, ge=0)
+    """Align to vLLM's default capture sizes up to this many tokens even when the engine pads nothing
+    (CPU runs that emulate CUDA-graph padding, for tests). 0: use the engine's own capture sizes."""
+
     startup_timeout: float = Field(default=1800.0, gt=0)
     """Seconds the engine may take to load and compile (at start and at each restart) before that
     attempt is declared failed."""

@@ -45,6 +45,21 @@ DEEPSTACK_PADDING = Counter(
     "Zero rows served past the written rows by padded deepstack reads.",
 )
 
+# -- chunk alignment (engine-core process) -------------------------------------------------------------
+ALIGNMENT_STEPS = Counter(
+    "vlguard_alignment_steps",
+    "Steps that carry image or video tokens, by what alignment did (aligned, filled, trimmed, unaligned).",
+    ["outcome"],
+)
+ALIGNMENT_RECOMPUTED = Counter(
+    "vlguard_alignment_recomputed_tokens",
+    "Tokens recomputed because alignment shortened a prefix-cache hit to fill a step.",
+)
+ALIGNMENT_DEFERRED = Counter(
+    "vlguard_alignment_deferred_tokens",
+    "Tokens alignment moved from a step to the next one by trimming a chunk.",
+)
+
 # -- engine guard (API process) -----------------------------------------------------------------------
 ENGINE_UP = Gauge("vlguard_engine_up", "1 while the engine is READY, else 0.", multiprocess_mode="mostrecent")
 ENGINE_STATE = Gauge(

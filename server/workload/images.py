@@ -41,3 +41,19 @@ def data_uri(data: bytes, mime: str) -> str:
 def photo_uri(name: str) -> str:
     """A data URI of one bundled photo, with its MIME type."""
     return data_uri(photo_bytes(name), PHOTOS[name])
+
+
+def variant_uri(name: str, index: int) -> str:
+    """A PNG data URI of ``name`` cropped by ``index`` pixels on the right and bottom: a different image
+    (new content hash, so no prefix-cache or encoder-cache reuse across variants) with a slightly
+    different size, hence a different number of image tokens. ``index`` 0 is the photo re-encoded."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(photo_bytes(name))) as img:
+        rgb = img.convert("RGB")
+        cropped = rgb.crop((0, 0, rgb.width - index, rgb.height - index))
+        buf = io.BytesIO()
+        cropped.save(buf, format="PNG")
+    return data_uri(buf.getvalue(), "image/png")

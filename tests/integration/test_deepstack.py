@@ -43,9 +43,9 @@ def _client(srv: ServerProcess) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def padded_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Patches off, padding emulated: behaves like stock vLLM 0.20.0 on a GPU."""
+    """Patches and alignment off, padding emulated: behaves like stock vLLM 0.20.0 on a GPU."""
     srv = _start(tiny_model, tmp_path_factory.mktemp("logs") / "padded-stock.log", "--guard-patches", "off",
-                 "--enforce-eager", env=PADDING)  # fmt: skip
+                 "--guard-alignment", "off", "--enforce-eager", env=PADDING)  # fmt: skip
     yield srv
     srv.stop()
 

@@ -1,0 +1,97 @@
+"""Chunk alignment on a real vLLM 0.20.0 engine under emulated CUDA-graph padding, deepstack patches off.
+
+The control (both off: the engine dies on the first image step) is
+``test_deepstack.py::test_stock_behaviour_crashes_under_padding``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.outputs import assert_same, greedy, two_pass_workload
+from tests.servers import ServerProcess, engine_env, vlguard_argv
+
+CRASH = "Requested more deepstack tokens than available in buffer"
+
+
+CHUNKING = {
+    "chunked": [],
+    # CASES C2: no chunked prefill (which needs a budget of max-model-len); other requests' decodes share steps.
+    "unchunked": ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"],
+}
+
+
+@pytest.fixture(scope="module", params=list(CHUNKING))
+def aligned_unpatched(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path]]:
+    """Alignment on (default), deepstack patches off, padding emulated, every step recorded by the
+    test plugin (the log path is the second item). Eager: without the patches the compiled model drops
+    deepstack (the other bug)."""
+    logs = tmp_path_factory.mktemp(f"aligned-{request.param}")
+    step_log = logs / "steps.jsonl"
+    env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1", VLGUARD_TEST_STEP_LOG=str(step_log))
+    argv = vlguard_argv(tiny_model, "--guard-patches", "off", "--guard-alignment-max-capture-size", "512",
+                        "--enforce-eager", *CHUNKING[request.param])  # fmt: skip
+    srv = ServerProcess(argv, logs / "server.log", env=env).start().wait_ready()
+    yield srv, step_log
+    srv.stop()
+
+
+def _client(srv: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _alignment_samples(srv: ServerProcess) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+        for s in family.samples:
+            if s.name.startswith(("vlguard_alignment_", "vlguard_engine_deaths")):
+                key = s.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_two_pass_workload_survives_without_the_patch(
+    aligned_unpatched: tuple[ServerProcess, Path], eager_server: ServerProcess, model_name: str
+) -> None:
+    """CASES C1/C2 on unpatched vLLM: zero deepstack errors, zero deaths; every step that carries image
+    tokens needed no padding (recorded in the worker); greedy outputs equal an unpadded run's."""
+    srv, step_log = aligned_unpatched
+    version = httpx.get(srv.url + "/version").json()
+    assert version["patches"]["active"] == []
+    aligned, reference = _client(srv), _client(eager_server)
+    work = two_pass_workload()
+    for label, messages in work:
+        got, want = greedy(aligned, model_name, messages, 4), greedy(reference, model_name, messages, 4)
+        assert got.token_ids == want.token_ids, label
+        assert_same(got, want)
+    # Concurrent: passes of several images share steps with each other's decodes and residuals.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda item: greedy(aligned, model_name, item[1], 4), work * 2))
+    assert all(len(g.token_ids) == 4 for g in results)
+
+    assert CRASH not in srv.log_path.read_text()
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    image_steps = [s for s in steps if s["mm"]]
+    assert image_steps, "the recorder saw no image step"
+    assert [s for s in image_steps if s["padded"] != s["tokens"]] == []
+    assert any(s["padded"] != s["tokens"] for s in steps)  # padding did happen, on steps without images
+
+    metrics = _alignment_samples(srv)
+    assert metrics.get("vlguard_engine_deaths_total", 0.0) == 0.0
+    assert metrics.get("vlguard_alignment_steps_total{unaligned}", 0.0) == 0.0
+    changed = metrics.get("vlguard_alignment_steps_total{filled}", 0.0) + metrics.get(
+        "vlguard_alignment_steps_total{trimmed}", 0.0
+    )
+    assert changed > 0  # alignment acted: without it these steps would have been padded
+    assert metrics["vlguard_alignment_steps_total{aligned}"] + changed >= len(image_steps)
+    assert httpx.get(srv.url + "/ready").status_code == 200
