@@ -1,13 +1,42 @@
-# vlguard on top of the stock vLLM image: same arguments, port and routes as vllm/vllm-openai.
+# vlguard: a drop-in replacement for the stock vLLM OpenAI image. Same contract as vllm/vllm-openai:
+# everything after the image name is `vllm serve` arguments (model and flags), port 8000, the same /v1
+# routes; plus vlguard's --guard-* flags and VLGUARD_* variables (docs/deploy.md).
+#
+#   docker build -t vlguard:0.20.0 .                                     # on vllm/vllm-openai:v0.20.0
+#   docker build --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.20.0 -t vlguard:0.20.0 .
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.20.0
 FROM ${VLLM_IMAGE}
 
-# Only vlguard's own small dependencies; the image's vLLM, torch and CUDA libraries are kept.
-RUN pip install --no-cache-dir "pydantic-settings>=2.6" "sdnotify>=0.3.2"
-COPY pyproject.toml README.md /opt/vlguard/
-COPY server /opt/vlguard/server
-COPY config /opt/vlguard/config
-RUN pip install --no-cache-dir --no-deps /opt/vlguard
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
+# 1. vlguard's own dependencies that the vLLM image lacks (fastapi, uvicorn, pydantic, prometheus-client
+#    and httpx come with vLLM). --no-deps everywhere: the image's vLLM, torch and CUDA libraries stay as
+#    built. dumb-init is PID 1: it forwards SIGTERM and reaps the engine's orphaned children.
+RUN python3 -m pip install --no-cache-dir --no-deps \
+        "pydantic-settings==2.16.3" "python-dotenv>=1.0" "typing-inspection>=0.4" \
+        "sdnotify==0.3.2" "dumb-init==1.2.5.post1"
+
+# 2. vlguard itself (changes most often: last).
+WORKDIR /opt/vlguard
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY config ./config
+COPY deploy/docker/entrypoint.sh /usr/local/bin/vlguard-entrypoint
+RUN python3 -m pip install --no-cache-dir --no-deps /opt/vlguard \
+    && chmod 0755 /usr/local/bin/vlguard-entrypoint \
+    && python3 -c "import server.cli, vllm; print('vlguard on vLLM', vllm.__version__)"
+
+# Metric files of every vLLM process; vlguard wipes the directory at start. Models: mount the Hugging
+# Face cache (-v ~/.cache/huggingface:/root/.cache/huggingface), as with the stock image.
+ENV PROMETHEUS_MULTIPROC_DIR=/tmp/vlguard-metrics \
+    VLGUARD_PORT=8000
+VOLUME ["/root/.cache/huggingface"]
 EXPOSE 8000
-ENTRYPOINT ["vlguard", "serve"]
+
+# Liveness (/health: the process answers). Readiness for load balancers is /ready. The start period
+# covers a 30B model's load and compile.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=30m --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('VLGUARD_PORT', '8000'), timeout=4)"]
+
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["dumb-init", "--", "vlguard-entrypoint"]

@@ -9,7 +9,7 @@ TINY_MODEL := $(VLGUARD_CACHE)/tiny-qwen3-vl-$(shell cat server/devmodel.py | sh
 MODEL ?= $(TINY_MODEL)
 PYTEST_ARGS ?=
 
-.PHONY: venv serve serve-stock tiny-model lint test
+.PHONY: venv serve serve-stock tiny-model tools lint test
 .DEFAULT_GOAL := test
 
 venv:  ## create or reuse the environment; prints its Python as the last line
@@ -28,9 +28,12 @@ serve-stock: tiny-model  ## the stock vLLM OpenAI server on the same model and p
 	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
 	  exec $$PY -m vllm.entrypoints.openai.api_server --model "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
 
+tools:  ## system tools the deploy tests drive (systemd-analyze), from Debian's packages when missing
+	@scripts/system-tools.sh
+
 lint:  ## ruff (lint + format) and mypy
 	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests && \
 	  $$PY -m ruff format --check server tests && $$PY -m mypy
 
-test: lint  ## lint, then the whole test suite (unit + integration on a real vLLM engine)
+test: lint tools  ## lint, then the whole test suite (unit + integration on a real vLLM engine)
 	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $(PYTEST_ARGS)

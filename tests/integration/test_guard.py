@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from openai import OpenAI
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
+from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
 POISON_WORD = " Xylophonequartzmarker"
@@ -35,42 +35,6 @@ GUARD_FLAGS = (
     "--guard-quarantine-deaths", "2",
     "--guard-restart-max", "20",
 )  # fmt: skip
-
-
-class NotifySocket:
-    """A systemd-style NOTIFY_SOCKET (unix datagram) that records every message."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.messages: list[str] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(str(path))
-        self._sock.settimeout(0.5)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.messages.append(self._sock.recv(4096).decode())
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    def wait_for(self, prefix: str, timeout_s: float = 30) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for msg in list(self.messages):
-                if msg.startswith(prefix):
-                    return msg
-            time.sleep(0.1)
-        raise AssertionError(f"no {prefix!r} in {self.messages}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
 
 
 def _cmdline(proc: psutil.Process) -> str:

@@ -1,0 +1,105 @@
+"""The Docker image's build file and entrypoint, checked without a Docker engine (none on these machines)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "Dockerfile"
+ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
+BIN = Path(sys.executable).parent
+#: The users' launch line (config/qwen3-vl-30b-a3b-fp8.yaml reproduces it), as the stock image's arguments.
+LAUNCH_LINE = (
+    "--model Qwen/Qwen3-VL-30B-A3B-Instruct-FP8 --quantization fp8 --kv-cache-dtype fp8_e4m3 "
+    "--max-model-len 8192 --gpu-memory-utilization 0.50 --enable-prefix-caching --enable-chunked-prefill "
+    "--max-num-seqs 40 --seed 0"
+)
+#: What vlguard adds to vLLM's engine arguments (server.serve.engine_overrides), and nothing else.
+OVERRIDES = {"mm_processor_cache_gb", "scheduler_cls", "additional_config"}
+STOCK_PACKAGES = re.compile(r"^(vllm|torch|torchvision|torchaudio|triton|xformers|flashinfer|nvidia-)", re.I)
+
+
+def _run_lines() -> list[str]:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    return [line.strip()[4:] for line in text.splitlines() if line.strip().startswith("RUN ")]
+
+
+def test_hadolint_passes() -> None:
+    result = subprocess.run([str(BIN / "hadolint"), str(DOCKERFILE)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_stock_image_is_the_base() -> None:
+    text = DOCKERFILE.read_text()
+    assert "ARG VLLM_IMAGE=vllm/vllm-openai:v0.20.0" in text
+    assert re.search(r"^FROM \$\{VLLM_IMAGE\}$", text, re.M)
+    assert 'ENTRYPOINT ["dumb-init", "--", "vlguard-entrypoint"]' in text
+    assert "HEALTHCHECK" in text and "/health" in text
+
+
+def test_the_image_never_reinstalls_vllm_or_torch() -> None:
+    """Every pip install is --no-deps and names no vLLM, torch or CUDA package: the stock builds stay."""
+    installs = [cmd for line in _run_lines() for cmd in line.split("&&") if "pip install" in cmd]
+    assert installs, "no pip install found"
+    for cmd in installs:
+        words = shlex.split(cmd)
+        assert "--no-deps" in words, cmd
+        packages = [w for w in words[words.index("install") + 1 :] if not w.startswith("-")]
+        assert not [p for p in packages if STOCK_PACKAGES.match(p)], cmd
+        assert not [w for w in words if w in ("-U", "--upgrade", "--force-reinstall")], cmd
+
+
+def _dry_run(args: str) -> dict[str, Any]:
+    env = dict(os.environ, VLGUARD_DRY_RUN="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(
+        ["sh", str(ENTRYPOINT), *shlex.split(args)], capture_output=True, text=True, env=env, check=True, cwd=REPO
+    )
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def _vllm_serve_engine_args(args: str) -> dict[str, Any]:
+    """The engine arguments vLLM's own ``vllm serve`` parser builds from ``args`` (as JSON, like the dry run)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    parser.add_argument("model_tag", nargs="?")
+    ns = parser.parse_args(shlex.split(args))
+    if ns.model_tag:
+        ns.model = ns.model_tag
+    engine = {f.name: getattr(ns, f.name) for f in dataclasses.fields(AsyncEngineArgs) if hasattr(ns, f.name)}
+    return json.loads(json.dumps(engine, sort_keys=True, default=repr))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        LAUNCH_LINE,
+        LAUNCH_LINE.replace("--model ", ""),  # positional model, as `docker run vllm/vllm-openai:... MODEL ...`
+        f"--config {REPO / 'config' / 'qwen3-vl-30b-a3b-fp8.yaml'}",
+    ],
+    ids=["flags", "positional-model", "profile"],
+)
+def test_entrypoint_resolves_the_engine_arguments_vllm_serve_would(args: str) -> None:
+    resolved = _dry_run(args)
+    engine = resolved["engine"]
+    stock = _vllm_serve_engine_args(LAUNCH_LINE)
+    assert set(engine) == set(stock)
+    differing = {k for k in engine if engine[k] != stock[k]}
+    assert differing <= OVERRIDES, {k: (engine[k], stock[k]) for k in differing - OVERRIDES}
+    assert engine["model"] == "Qwen/Qwen3-VL-30B-A3B-Instruct-FP8" and engine["max_num_seqs"] == 40
+    assert engine["scheduler_cls"] == "server.alignment.scheduler.AlignedScheduler"
+    assert resolved["frontend"]["port"] == 8000  # the stock image's port

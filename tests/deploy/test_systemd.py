@@ -1,0 +1,144 @@
+"""The systemd units: ``systemd-analyze verify``, the settings production relies on, and the direct unit's
+``ExecStart`` line run for real (tiny model, CPU) against a test ``NOTIFY_SOCKET``."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.notify import NotifySocket
+from tests.servers import ServerProcess, engine_env, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMD = REPO / "deploy" / "systemd"
+UNITS = ("vlguard.service", "vlguard-docker.service")
+VENV = "/opt/vlguard/venv"
+
+
+def unit(name: str) -> dict[str, list[str]]:
+    """``key -> values`` of a unit file (continuation lines joined; repeated keys kept in order)."""
+    entries: dict[str, list[str]] = {}
+    for line in (SYSTEMD / name).read_text().replace("\\\n", " ").splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            entries.setdefault(key.strip(), []).append(value.strip())
+    return entries
+
+
+def env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if re.match(r"^[A-Z_]+=", line))
+    return {k: v for k, v in pairs}
+
+
+def expand(command: str, env: dict[str, str]) -> list[str]:
+    """systemd's ``ExecStart`` expansion: ``${VAR}`` is one word, ``$VAR`` is split on whitespace."""
+    words: list[str] = []
+    for word in shlex.split(command):
+        if re.fullmatch(r"\$[A-Z_]+", word):
+            words.extend(env.get(word[1:], "").split())
+        else:
+            words.append(re.sub(r"\$\{([A-Z_]+)\}", lambda m: env.get(m.group(1), ""), word))
+    return words
+
+
+@pytest.fixture(scope="module")
+def systemd_analyze() -> str:
+    path = shutil.which("systemd-analyze")
+    if path is None:
+        pytest.fail("systemd-analyze not found: run scripts/system-tools.sh (make test does)")
+    return path
+
+
+def test_units_verify(systemd_analyze: str, tmp_path: Path) -> None:
+    """``systemd-analyze verify`` checks that ExecStart binaries exist: point them at this machine's."""
+    docker = shutil.which("docker") or str(tmp_path / "docker")
+    (tmp_path / "docker.service").write_text("[Unit]\nDescription=stand-in\n[Service]\nExecStart=/bin/true\n")
+    if not shutil.which("docker"):
+        Path(docker).write_text("#!/bin/sh\n")
+        Path(docker).chmod(0o755)
+    for name in UNITS:
+        text = (SYSTEMD / name).read_text()
+        text = text.replace(f"{VENV}/bin/vlguard", str(Path(sys.executable).parent / "vlguard"))
+        (tmp_path / name).write_text(text.replace("/usr/bin/docker", docker))
+        files = [str(tmp_path / name)] + ([str(tmp_path / "docker.service")] if "docker" in name else [])
+        result = subprocess.run([systemd_analyze, "verify", *files], capture_output=True, text=True, check=False)
+        assert result.returncode == 0 and not result.stderr.strip(), (name, result.stderr)
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_units_carry_the_production_settings(name: str) -> None:
+    u = unit(name)
+    assert u["Type"] == ["notify"] and u["Restart"] == ["on-failure"]
+    assert u["EnvironmentFile"] == ["/etc/vlguard/vlguard.env"]
+    assert u["TimeoutStartSec"] == ["30min"] and u["WatchdogSec"] == ["120s"]
+    assert u["NoNewPrivileges"] == ["true"] and u["ProtectSystem"] == ["strict"] and u["PrivateTmp"] == ["true"]
+    assert "143" in u["SuccessExitStatus"][0]  # SIGTERM's status is a clean stop
+    assert u["StandardOutput"] == ["journal"]
+
+
+def test_direct_unit_grants_the_nvidia_devices() -> None:
+    u = unit("vlguard.service")
+    assert u["DevicePolicy"] == ["closed"]
+    assert {"/dev/nvidiactl rw", "/dev/nvidia-uvm rw", "/dev/nvidia0 rw"} <= set(u["DeviceAllow"])
+
+
+@pytest.fixture
+def notify(tmp_path: Path) -> Iterator[NotifySocket]:
+    sock = NotifySocket(tmp_path / "notify.sock")
+    yield sock
+    sock.close()
+
+
+def test_direct_unit_execstart_notifies_and_stops_on_sigterm(
+    tiny_model: Path, tmp_path: Path, notify: NotifySocket
+) -> None:
+    """The unit's ExecStart line, expanded as systemd would with the example env file (profile, address
+    and model pointed at the tiny model on CPU), sends READY=1, then WATCHDOG=1 periodically, and exits
+    cleanly within TimeoutStopSec on SIGTERM. WATCHDOG_USEC is 2 s here (systemd derives it from
+    WatchdogSec=120s; pings come at half of it)."""
+    u = unit("vlguard.service")
+    env = env_file(SYSTEMD / "vlguard.env.example")
+    port = free_port()
+    env.update(
+        VLGUARD_PROFILE=str(REPO / "config" / "tiny-cpu.yaml"),
+        VLGUARD_HOST="127.0.0.1",
+        VLGUARD_PORT=str(port),
+        VLGUARD_EXTRA_ARGS=f"--model {tiny_model} --enforce-eager",
+    )
+    for assignment in u["Environment"]:  # StateDirectory= & co. would create these under /var/lib, /run
+        key, value = assignment.split("=", 1)
+        env[key] = str(tmp_path / value.strip("/").replace("/", "-"))
+    argv = expand(u["ExecStart"][0], env)
+    assert argv[:2] == [f"{VENV}/bin/vlguard", "serve"]
+    argv = [sys.executable, "-m", "server", *argv[1:]]  # this environment's vlguard
+
+    srv = ServerProcess(argv, tmp_path / "unit.log", port=port, ready_path="/health")
+    srv.env = engine_env(**env, NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="2000000")
+    srv.proc = subprocess.Popen(argv, stdout=srv.log_path.open("wb"), stderr=subprocess.STDOUT, env=srv.env,
+                                cwd=REPO, start_new_session=True)  # fmt: skip
+    try:
+        notify.wait_for("READY=1", timeout_s=600)
+        first = len([m for m in notify.messages if m.startswith("WATCHDOG=1")])
+        notify.wait_for("WATCHDOG=1")
+        deadline = time.monotonic() + 10
+        while len([m for m in notify.messages if m.startswith("WATCHDOG=1")]) < first + 2:
+            assert time.monotonic() < deadline, notify.messages
+            time.sleep(0.2)
+        stop_timeout = float(u["TimeoutStopSec"][0].removesuffix("s"))
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        status = srv.proc.wait(stop_timeout)
+        assert status in (0, -signal.SIGTERM, 143), srv.log_tail()
+        assert time.monotonic() - started < stop_timeout
+        assert notify.wait_for("STOPPING=1")
+    finally:
+        srv.stop()
