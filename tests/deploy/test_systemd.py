@@ -77,12 +77,25 @@ def test_units_verify(systemd_analyze: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", UNITS)
 def test_units_carry_the_production_settings(name: str) -> None:
     u = unit(name)
-    assert u["Type"] == ["notify"] and u["Restart"] == ["on-failure"]
-    assert u["EnvironmentFile"] == ["/etc/vlguard/vlguard.env"]
-    assert u["TimeoutStartSec"] == ["30min"] and u["WatchdogSec"] == ["120s"]
+    assert u["Restart"] == ["on-failure"] and u["EnvironmentFile"] == ["/etc/vlguard/vlguard.env"]
+    assert u["TimeoutStartSec"] == ["30min"]
     assert u["NoNewPrivileges"] == ["true"] and u["ProtectSystem"] == ["strict"] and u["PrivateTmp"] == ["true"]
     assert "143" in u["SuccessExitStatus"][0]  # SIGTERM's status is a clean stop
     assert u["StandardOutput"] == ["journal"]
+
+
+def test_direct_unit_is_notify_with_a_watchdog() -> None:
+    u = unit("vlguard.service")
+    assert u["Type"] == ["notify"] and u["WatchdogSec"] == ["120s"] and u["NotifyAccess"] == ["main"]
+
+
+def test_docker_unit_waits_for_the_container_to_be_healthy() -> None:
+    """Docker does not relay sd_notify from a container's cgroup: the unit is Type=exec and starts when
+    the image's HEALTHCHECK says healthy."""
+    u = unit("vlguard-docker.service")
+    assert u["Type"] == ["exec"] and "WatchdogSec" not in u
+    assert "Health.Status" in u["ExecStartPost"][0] and "healthy" in u["ExecStartPost"][0]
+    assert "--rm" in u["ExecStart"][0] and "${VLGUARD_IMAGE}" in u["ExecStart"][0]
 
 
 def test_direct_unit_grants_the_nvidia_devices() -> None:
