@@ -98,6 +98,7 @@ class Supervisor:
         self.last_output = 0.0  # readiness: real output is as good as a probe
         self.probe_ok_at: float | None = None
         self._set_state(EngineState.STOPPED)
+        m.RESTART_BUDGET.set(settings.restart_max)
 
     # -- state ---------------------------------------------------------------------------------------
     def _set_state(self, state: EngineState) -> None:

@@ -68,6 +68,11 @@ ENGINE_STATE = Gauge(
     ["state"],
     multiprocess_mode="mostrecent",
 )
+RESTART_BUDGET = Gauge(
+    "vlguard_engine_restart_budget",
+    "In-process engine restarts allowed per restart window (--guard-restart-max); one more exits the process.",
+    multiprocess_mode="mostrecent",
+)
 ENGINE_DEATHS = Counter(
     "vlguard_engine_deaths", "Engine deaths, by cause (deepstack, process_exit, hang, exception).", ["cause"]
 )
