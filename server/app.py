@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from server import __version__
 from server.api.errors import install_error_handlers
 from server.api.health import router as health_router
+from server.api.input_guard import InputGuardMiddleware
 from server.guard.admission import AdmissionMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import Supervisor
@@ -119,7 +120,9 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.root_path = args.root_path
     app.include_router(health_router)
     _attach_openai_routes(app)
-    _add_middleware(app, args)
+    # Outermost first on the way in: CORS, API key, input guard (limits, media), admission (engine ready).
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor)
+    app.add_middleware(InputGuardMiddleware, settings=settings, local_media=bool(args.allowed_local_media_path))
+    _add_middleware(app, args)
     install_error_handlers(app)
     return app

@@ -30,6 +30,27 @@ class GuardSettings(BaseSettings):
     """Align to vLLM's default capture sizes up to this many tokens even when the engine pads nothing
     (CPU runs that emulate CUDA-graph padding, for tests). 0: use the engine's own capture sizes."""
 
+    max_inflight: int = Field(default=1024, ge=0)
+    """Generation requests inside vlguard at once (held, queued, running or streaming); one more gets 429
+    + Retry-After. 0: no bound."""
+
+    max_request_mb: float = Field(default=64.0, gt=0)
+    """Largest request body accepted (MiB); more gets 413."""
+
+    max_image_mb: float = Field(default=20.0, gt=0)
+    """Largest decoded size of one image or other media item (MiB); more gets 413."""
+
+    max_image_pixels: int = Field(default=50_000_000, gt=0)
+    """Largest image (width x height, read from the header before decoding); more gets 400. Refuses
+    decompression bombs before anything decodes them."""
+
+    max_aspect_ratio: float = Field(default=200.0, ge=1)
+    """Largest long-side / short-side ratio of an image (Qwen's processor refuses above 200); more gets 400."""
+
+    remote_media: bool = False
+    """Accept http(s) media URLs (on/off). Off: images must come as data: URIs. On: vLLM fetches them,
+    limited by --allowed-media-domains."""
+
     startup_timeout: float = Field(default=1800.0, gt=0)
     """Seconds the engine may take to load and compile (at start and at each restart) before that
     attempt is declared failed."""

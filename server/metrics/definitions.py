@@ -102,6 +102,11 @@ REQUESTS_FAILED = Counter(
     "not_resumable, replay_limit).",
     ["reason"],
 )
+REQUESTS_REJECTED = Counter(
+    "vlguard_requests_rejected",
+    "Requests refused at the door, by reason (media, body_too_large, overload).",
+    ["reason"],
+)
 REQUESTS_QUARANTINED = Counter(
     "vlguard_requests_quarantined", "Requests refused because their fingerprint is quarantined."
 )

@@ -1,0 +1,130 @@
+"""Refuse bad or excessive generation requests at the door (pure ASGI middleware).
+
+For ``POST`` to the generation routes, before vLLM sees the request:
+
+1. at most ``max_inflight`` such requests are inside vlguard at once (held, queued in vLLM, running or
+   streaming); one more gets **429** + ``Retry-After`` instead of growing memory without bound;
+2. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
+   more gets **413**;
+3. a JSON body's media parts are checked by :func:`server.api.media.check_media` (**400**/**413** with
+   a message naming the part). A body that is not JSON goes on to vLLM, whose own 400 names the problem.
+
+The body is then handed on unchanged. Every refusal uses the OpenAI error envelope and is counted in
+``vlguard_requests_rejected_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from http import HTTPStatus
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.errors import RETRY_AFTER_S, error_response
+from server.api.media import MediaError, MediaLimits, check_media
+from server.guard.admission import GENERATION_PATHS
+from server.metrics import definitions as m
+from server.settings import GuardSettings
+
+#: Bodies above this many bytes are checked off the event loop (base64 decoding of large images).
+_OFFLOAD_BYTES = 1 << 20
+
+
+class InputGuardMiddleware:
+    """Arguments:
+    app: the ASGI app to protect.
+    settings: the limits (``max_inflight``, ``max_request_mb`` and the media limits).
+    local_media: whether ``--allowed-local-media-path`` is set (``file:`` URLs allowed)."""
+
+    def __init__(self, app: ASGIApp, settings: GuardSettings, local_media: bool = False) -> None:
+        self.app = app
+        self.max_inflight = settings.max_inflight
+        self.max_body = int(settings.max_request_mb * 1024 * 1024)
+        self.limits = MediaLimits(
+            max_image_bytes=int(settings.max_image_mb * 1024 * 1024),
+            max_image_pixels=settings.max_image_pixels,
+            max_aspect_ratio=settings.max_aspect_ratio,
+            remote_media=settings.remote_media,
+            local_media=local_media,
+        )
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        if self.max_inflight and self.active >= self.max_inflight:
+            message = f"Server busy: {self.active} requests in progress (limit {self.max_inflight}); retry later"
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message, "overload", headers)
+            return
+        self.active += 1
+        try:
+            await self._admit(scope, receive, send)
+        finally:
+            self.active -= 1
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self.max_body} bytes"
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            await self._refuse(scope, receive, send, *too_large, "body_too_large")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                await self._refuse(scope, receive, send, *too_large, "body_too_large")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        try:
+            await self._check(raw)
+        except MediaError as exc:
+            await self._refuse(scope, receive, send, exc.status, str(exc), "media")
+            return
+
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()  # then wait for the disconnect, as the server would
+
+        await self.app(scope, replay, send)
+
+    async def _check(self, raw: bytes) -> None:
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            return  # vLLM answers malformed JSON with its own 400
+        if not isinstance(body, dict):
+            return
+        if len(raw) > _OFFLOAD_BYTES:
+            await asyncio.to_thread(check_media, body, self.limits)
+        else:
+            check_media(body, self.limits)
+
+    @staticmethod
+    async def _refuse(
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        status: HTTPStatus,
+        message: str,
+        reason: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        m.REQUESTS_REJECTED.labels(reason=reason).inc()
+        await error_response(status, message, headers=headers)(scope, receive, send)
