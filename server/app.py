@@ -122,7 +122,12 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     _attach_openai_routes(app)
     # Outermost first on the way in: CORS, API key, input guard (limits, media), admission (engine ready).
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor)
-    app.add_middleware(InputGuardMiddleware, settings=settings, local_media=bool(args.allowed_local_media_path))
+    app.add_middleware(
+        InputGuardMiddleware,
+        settings=settings,
+        local_media=bool(args.allowed_local_media_path),
+        allowed_media_domains=args.allowed_media_domains,
+    )
     _add_middleware(app, args)
     install_error_handlers(app)
     return app

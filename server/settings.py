@@ -48,8 +48,12 @@ class GuardSettings(BaseSettings):
     """Largest long-side / short-side ratio of an image (Qwen's processor refuses above 200); more gets 400."""
 
     remote_media: bool = False
-    """Accept http(s) media URLs (on/off). Off: images must come as data: URIs. On: vLLM fetches them,
-    limited by --allowed-media-domains."""
+    """Accept http(s) image URLs (on/off). Off: images must come as data: URIs. On: vlguard fetches them
+    from the hosts in --allowed-media-domains only (public addresses, checked redirects, bounded size and
+    time) and hands vLLM the image inline."""
+
+    remote_media_timeout: float = Field(default=10.0, gt=0)
+    """Seconds one remote image fetch may take, redirects included; slower gets 504."""
 
     startup_timeout: float = Field(default=1800.0, gt=0)
     """Seconds the engine may take to load and compile (at start and at each restart) before that

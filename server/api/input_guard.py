@@ -7,10 +7,12 @@ For ``POST`` to the generation routes, before vLLM sees the request:
 2. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
    more gets **413**;
 3. a JSON body's media parts are checked by :func:`server.api.media.check_media` (**400**/**413** with
-   a message naming the part). A body that is not JSON goes on to vLLM, whose own 400 names the problem.
+   a message naming the part). A body that is not JSON goes on to vLLM, whose own 400 names the problem;
+4. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
+   (:mod:`server.api.remote_media`; **400**/**413**/**504**).
 
-The body is then handed on unchanged. Every refusal uses the OpenAI error envelope and is counted in
-``vlguard_requests_rejected_total{reason}``.
+The body is then handed on (unchanged unless remote images were inlined). Every refusal uses the OpenAI
+error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import RETRY_AFTER_S, error_response
 from server.api.media import MediaError, MediaLimits, check_media
+from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.guard.admission import GENERATION_PATHS
 from server.metrics import definitions as m
 from server.settings import GuardSettings
@@ -36,9 +39,16 @@ class InputGuardMiddleware:
     """Arguments:
     app: the ASGI app to protect.
     settings: the limits (``max_inflight``, ``max_request_mb`` and the media limits).
-    local_media: whether ``--allowed-local-media-path`` is set (``file:`` URLs allowed)."""
+    local_media: whether ``--allowed-local-media-path`` is set (``file:`` URLs allowed).
+    allowed_media_domains: vLLM's ``--allowed-media-domains``: the hosts remote media may come from."""
 
-    def __init__(self, app: ASGIApp, settings: GuardSettings, local_media: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: GuardSettings,
+        local_media: bool = False,
+        allowed_media_domains: list[str] | None = None,
+    ) -> None:
         self.app = app
         self.max_inflight = settings.max_inflight
         self.max_body = int(settings.max_request_mb * 1024 * 1024)
@@ -48,6 +58,10 @@ class InputGuardMiddleware:
             max_aspect_ratio=settings.max_aspect_ratio,
             remote_media=settings.remote_media,
             local_media=local_media,
+        )
+        self.remote = RemotePolicy(
+            allowed_hosts=frozenset(h.lower() for h in allowed_media_domains or ()),
+            timeout_s=settings.remote_media_timeout,
         )
         self.active = 0
 
@@ -88,10 +102,14 @@ class InputGuardMiddleware:
                 break
         raw = b"".join(chunks)
         try:
-            await self._check(raw)
+            inlined = await self._check(raw)
         except MediaError as exc:
             await self._refuse(scope, receive, send, exc.status, str(exc), "media")
             return
+        if inlined is not None:  # remote media fetched and inlined: hand on the rewritten body
+            raw = inlined
+            headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
 
         replayed = False
 
@@ -104,17 +122,21 @@ class InputGuardMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _check(self, raw: bytes) -> None:
+    async def _check(self, raw: bytes) -> bytes | None:
+        """Check the body's media; returns a rewritten body when remote media was inlined, else None."""
         try:
             body: Any = json.loads(raw)
         except ValueError:
-            return  # vLLM answers malformed JSON with its own 400
+            return None  # vLLM answers malformed JSON with its own 400
         if not isinstance(body, dict):
-            return
+            return None
         if len(raw) > _OFFLOAD_BYTES:
             await asyncio.to_thread(check_media, body, self.limits)
         else:
             check_media(body, self.limits)
+        if self.limits.remote_media and await inline_remote_media(body, self.limits, self.remote):
+            return json.dumps(body).encode()
+        return None
 
     @staticmethod
     async def _refuse(

@@ -7,8 +7,8 @@ Every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``
   are opened header-only (no pixel decoding) to check ``width x height`` against ``max_image_pixels``
   (decompression bombs are refused before anything decodes them) and the aspect ratio against
   ``max_aspect_ratio`` (Qwen's processor refuses above 200);
-* ``http(s):`` URLs only when remote media is enabled (``--guard-remote-media on``); vLLM's
-  ``--allowed-media-domains`` then limits the domains;
+* ``http(s):`` image URLs only when remote media is enabled (``--guard-remote-media on``); vlguard then
+  fetches them itself under its policy (:mod:`server.api.remote_media`) and vLLM never sees the URL;
 * ``file:`` URLs only when ``--allowed-local-media-path`` is set (vLLM then confines them to it);
 * any other scheme is refused.
 
@@ -101,12 +101,18 @@ def _decode_data_uri(where: str, url: str, limits: MediaLimits) -> tuple[str, by
     return header.removesuffix(";base64"), data
 
 
-def _check_image(where: str, data: bytes, limits: MediaLimits) -> None:
+def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> str:
+    """Check an encoded image from its header (no pixel decoding). Returns its MIME type.
+
+    Raises:
+        MediaError: 400 when unreadable, too many pixels, or too elongated.
+    """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
             width, height = img.size
+            mime = Image.MIME.get(img.format or "", "application/octet-stream")
     except Image.DecompressionBombError as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image refused as a decompression bomb ({exc})") from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
@@ -122,6 +128,7 @@ def _check_image(where: str, data: bytes, limits: MediaLimits) -> None:
             HTTPStatus.BAD_REQUEST,
             f"{where}: image is {width}x{height}, an aspect ratio above the limit of {limits.max_aspect_ratio:g}",
         )
+    return mime
 
 
 def check_media(body: dict[str, Any], limits: MediaLimits) -> int:
@@ -140,7 +147,7 @@ def check_media(body: dict[str, Any], limits: MediaLimits) -> int:
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
             if kind in ("image_url", "input_image") or mime.startswith("image/"):
-                _check_image(where, data, limits)
+                check_image_bytes(where, data, limits)
         elif scheme in ("http", "https"):
             if not limits.remote_media:
                 raise MediaError(
@@ -148,6 +155,8 @@ def check_media(body: dict[str, Any], limits: MediaLimits) -> int:
                     f"{where}: remote media URLs are disabled on this server; send the {kind} as a data: URI "
                     "(operators: --guard-remote-media on)",
                 )
+            if kind not in ("image_url", "input_image"):
+                raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: remote {kind} URLs are not supported; use data:")
         elif scheme == "file":
             if not limits.local_media:
                 raise MediaError(

@@ -63,3 +63,14 @@ def test_policies_can_be_opened() -> None:
     body = _chat({"type": "image_url", "image_url": {"url": "https://a/b.png"}},
                  {"type": "image_url", "image_url": {"url": "file:///srv/media/a.png"}})  # fmt: skip
     assert check_media(body, open_limits) == 2
+
+
+def test_remote_addresses_must_be_public_unless_named_literally() -> None:
+    from server.api.remote_media import RemotePolicy, address_allowed
+
+    policy = RemotePolicy(allowed_hosts=frozenset({"media.example.com", "10.0.0.5"}), timeout_s=5)
+    assert address_allowed("media.example.com", "93.184.216.34", policy)
+    assert not address_allowed("media.example.com", "10.0.0.7", policy)  # a name resolving inside
+    assert not address_allowed("media.example.com", "127.0.0.1", policy)
+    assert not address_allowed("media.example.com", "169.254.169.254", policy)  # cloud metadata
+    assert address_allowed("10.0.0.5", "10.0.0.5", policy)  # the operator named this address
