@@ -8,6 +8,8 @@ starts or restarts), 503 only once the supervisor has given up. This differs fro
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
@@ -55,5 +57,8 @@ async def version() -> JSONResponse:
 @router.get("/metrics")
 async def metrics() -> Response:
     """Prometheus text: vLLM's ``vllm:*`` series and vlguard's ``vlguard_*`` series from every process."""
+    from server.metrics import definitions as m
+
+    m.API_TASKS.set(len(asyncio.all_tasks()))  # a leak shows as a count that only grows
     body, content_type = render_latest()
     return Response(body, media_type=content_type)

@@ -102,6 +102,11 @@ REQUESTS_FAILED = Counter(
     "not_resumable, replay_limit).",
     ["reason"],
 )
+API_TASKS = Gauge(
+    "vlguard_api_event_loop_tasks",
+    "asyncio tasks alive in the API process (sampled at each scrape); a leak only grows.",
+    multiprocess_mode="mostrecent",
+)
 REQUESTS_REJECTED = Counter(
     "vlguard_requests_rejected",
     "Requests refused at the door, by reason (media, body_too_large, overload).",

@@ -1,5 +1,6 @@
 """Load on loopback: 64 concurrent clients mixing image and text requests (a quarter streamed) against the
-real server for a bounded time and count. Zero 5xx; memory and file descriptors stay bounded."""
+real server for a bounded time and count. Zero 5xx; memory, file descriptors and event-loop tasks stay
+bounded."""
 
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ async def _load(srv: ServerProcess, model: str) -> list[int]:
     return statuses
 
 
+def _tasks(srv: ServerProcess) -> float:
+    """asyncio tasks alive in the server's API process (vlguard_api_event_loop_tasks, set at each scrape)."""
+    text = httpx.get(srv.url + "/metrics").text
+    return float(next(x for x in text.splitlines() if x.startswith("vlguard_api_event_loop_tasks ")).split()[-1])
+
+
 def _settled(srv: ServerProcess, timeout_s: float = 60) -> None:
     """Wait until no request is inside the engine (vlguard_requests_inflight == 0)."""
     deadline = time.monotonic() + timeout_s
@@ -81,7 +88,7 @@ def test_64_clients_no_5xx_bounded_memory_no_fd_leak(server: ServerProcess, mode
     api = psutil.Process(server.proc.pid)
     asyncio.run(_load(server, model_name))  # warm-up round: caches, pools, compiled shapes
     _settled(server)
-    fds_before, api_rss_before = api.num_fds(), api.memory_info().rss
+    fds_before, api_rss_before, tasks_before = api.num_fds(), api.memory_info().rss, _tasks(server)
 
     statuses = asyncio.run(_load(server, model_name))
     _settled(server)
@@ -89,11 +96,13 @@ def test_64_clients_no_5xx_bounded_memory_no_fd_leak(server: ServerProcess, mode
     growth_mib = (api.memory_info().rss - api_rss_before) / 2**20
     print(  # the figures, for `pytest -s` and the closing notes
         f"load: {len(statuses)} requests, statuses {sorted(set(statuses))}, fds {fds_before}->{api.num_fds()}, "
-        f"API RSS {growth_mib:+.0f} MiB, tree RSS {_tree_rss(api) / 2**30:.2f} GiB"
+        f"API RSS {growth_mib:+.0f} MiB, tree RSS {_tree_rss(api) / 2**30:.2f} GiB, "
+        f"event-loop tasks {tasks_before:.0f}->{_tasks(server):.0f}"
     )
     assert len(statuses) >= 100, len(statuses)
     assert [s for s in statuses if s >= 500] == []
     assert set(statuses) == {200}
     assert api.num_fds() <= fds_before + 8, (fds_before, api.num_fds())
+    assert _tasks(server) <= tasks_before + 4, (tasks_before, _tasks(server))
     assert api.memory_info().rss - api_rss_before < API_GROWTH_BOUND
     assert _tree_rss(api) < RSS_BOUND, _tree_rss(api)

@@ -21,7 +21,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import definitions
-from server.workload.images import photo_uri
+from server.workload.images import variant_uri
 from server.workload.twopass import primary_messages, rescue_messages
 from tests.servers import ServerProcess, free_port
 
@@ -115,8 +115,11 @@ class Prometheus:
 
 
 def _image_traffic(srv: ServerProcess, model: str, images: tuple[str, ...]) -> None:
+    """Primary and rescue passes on images this server has never seen (the session's server may have
+    served the bundled photos already: fully cached prompts would carry no image tokens in any step)."""
     client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    work = [m for name in images for m in (primary_messages(photo_uri(name)), rescue_messages(photo_uri(name)))]
+    uris = [variant_uri(name, 17 + i) for i, name in enumerate(images)]
+    work = [m for uri in uris for m in (primary_messages(uri), rescue_messages(uri))]
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda msgs: client.chat.completions.create(model=model, messages=msgs, max_tokens=4), work))
 
