@@ -179,13 +179,36 @@ def is_patched(cls: type, method: str) -> bool:
     return getattr(cls, method, None) is REPLACEMENTS[method]
 
 
+#: Attribute on a patched class holding the methods it had before (for :func:`restore`).
+ORIGINALS = "__vlguard_deepstack_originals__"
+
+
 def apply(cls: type, patches: list[str]) -> list[str]:
-    """Replace the deepstack methods of ``cls`` that ``patches`` cover (idempotent).
+    """Replace the deepstack methods of ``cls`` that ``patches`` cover (idempotent). The installed methods
+    are kept on the class (``ORIGINALS``) for :func:`restore`.
 
     Returns:
         The names of the methods replaced (sorted).
     """
     methods = sorted({name for patch in patches for name in METHODS_BY_PATCH[patch]})
+    originals = cls.__dict__.get(ORIGINALS, {})
     for name in methods:
+        if name not in originals and name in cls.__dict__:
+            originals[name] = cls.__dict__[name]
         setattr(cls, name, REPLACEMENTS[name])
+    setattr(cls, ORIGINALS, originals)
     return methods
+
+
+def restore(cls: type) -> list[str]:
+    """Put back the methods :func:`apply` replaced on ``cls`` (A/B runs and tests in one process).
+
+    Returns:
+        The names of the methods restored (sorted; empty when ``cls`` was not patched).
+    """
+    originals: dict[str, Any] = cls.__dict__.get(ORIGINALS, {})
+    for name, fn in originals.items():
+        setattr(cls, name, fn)
+    if ORIGINALS in cls.__dict__:
+        delattr(cls, ORIGINALS)
+    return sorted(originals)

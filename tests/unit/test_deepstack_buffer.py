@@ -22,12 +22,15 @@ LEVELS, CAPACITY, HIDDEN = 2, 64, 8
 def model_cls() -> Iterator[type]:
     from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration as cls
 
-    saved = {name: cls.__dict__[name] for name in deepstack.REPLACEMENTS}
+    # vLLM may already have loaded vlguard's plugin in this test process (an earlier test built a vLLM
+    # config), which patches the class when the model registry loads it: start from the stock methods.
+    was_patched = deepstack.restore(cls)
     assert detect.defects(cls) == [deepstack.PADDED_READ, deepstack.EMPTY_BUFFER]  # stock 0.20.0
     deepstack.apply(cls, detect.defects(cls))
     yield cls
-    for name, fn in saved.items():
-        setattr(cls, name, fn)
+    deepstack.restore(cls)
+    if was_patched:
+        deepstack.apply(cls, detect.defects(cls))
 
 
 def make(cls: type, dtype: torch.dtype = torch.float32, buffer_dtype: torch.dtype = torch.float32) -> Any:
