@@ -120,7 +120,8 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.root_path = args.root_path
     app.include_router(health_router)
     _attach_openai_routes(app)
-    # Outermost first on the way in: CORS, API key, input guard (limits, media), admission (engine ready).
+    # Starlette puts each added middleware in front: on the way in, API key, CORS (as vllm serve), input
+    # guard (limits, media), admission (engine ready).
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor)
     app.add_middleware(
         InputGuardMiddleware,
