@@ -9,7 +9,10 @@ TINY_MODEL := $(VLGUARD_CACHE)/tiny-qwen3-vl-$(shell cat server/devmodel.py | sh
 MODEL ?= $(TINY_MODEL)
 PYTEST_ARGS ?=
 
-.PHONY: venv serve serve-stock tiny-model tools lint test
+SCENARIO ?= overhead
+BENCH_ARGS ?=
+
+.PHONY: venv serve serve-stock tiny-model tools lint test bench
 .DEFAULT_GOAL := test
 
 venv:  ## create or reuse the environment; prints its Python as the last line
@@ -24,9 +27,13 @@ serve: tiny-model  ## serve MODEL (default: the tiny model) on HOST:PORT through
 	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
 	  exec $$PY -m server serve "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
 
-serve-stock: tiny-model  ## the stock vLLM OpenAI server on the same model and profile, for comparison
-	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
+serve-stock: tiny-model  ## the stock vLLM OpenAI server on the same model and profile (vlguard's plugins off)
+	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_PLUGINS= \
 	  exec $$PY -m vllm.entrypoints.openai.api_server --model "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
+
+bench: tiny-model  ## vlguard bench compare --scenario SCENARIO on MODEL and PROFILE (BENCH_ARGS: more bench flags)
+	@PY=$$(scripts/venv.sh $(VLLM)) && exec $$PY -m server bench compare "$(MODEL)" --scenario $(SCENARIO) \
+	  $(BENCH_ARGS) -- --config $(PROFILE)
 
 tools:  ## system tools the deploy tests drive (systemd-analyze), from Debian's packages when missing
 	@scripts/system-tools.sh

@@ -4,6 +4,8 @@
 (``make_arg_parser``, ``FlexibleArgumentParser``: so ``--model X``, ``--config profile.yaml`` and every
 engine flag behave exactly as under ``vllm serve``), plus one ``--guard-<name>`` flag per field of
 :class:`server.settings.GuardSettings`. ``vlguard tiny-model DIR`` writes the embedded tiny Qwen3-VL.
+``vlguard bench twopass|compare`` runs the two-pass workload and the side-by-side benchmarks
+(:mod:`server.workload.cli`).
 
 vLLM is imported lazily: ``serve`` must set up the Prometheus multiprocess directory before
 ``prometheus_client`` is first imported (vLLM imports it).
@@ -61,6 +63,8 @@ def build_parser() -> FlexibleArgumentParser:
     _add_guard_args(serve)
     tiny = sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL to DIR.")
     tiny.add_argument("dir", help="Output directory (created if missing).")
+    # Listed for --help only: main() hands `bench ...` to server.workload.cli before this parser runs.
+    sub.add_parser("bench", help="Two-pass workload and side-by-side benchmarks (vlguard bench --help).")
     return parser
 
 
@@ -114,6 +118,10 @@ def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[s
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``vlguard`` console script and ``python -m server``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # a client: imports no vLLM
+        from server.workload.cli import main as bench_main
+
+        sys.exit(bench_main(argv[1:]))
     if "--print-config" in argv:
         # stdout carries the JSON alone; vLLM logs to stdout unless told otherwise.
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

@@ -74,6 +74,19 @@ def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngin
     return result
 
 
+#: vlguard's vLLM general plugins (entry points in pyproject.toml).
+VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal")
+
+
+def plugin_allowlist(value: str | None) -> str | None:
+    """``VLLM_PLUGINS`` with vlguard's own plugins added, or ``None`` when it is unset (vLLM then loads
+    every installed plugin). A user who restricts vLLM's plugins must not switch off the backports."""
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    return ",".join(dict.fromkeys([*names, *VLGUARD_PLUGINS]))
+
+
 def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     """Serve until SIGINT/SIGTERM.
 
@@ -92,6 +105,9 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     # The patch plugin runs in every vLLM process; spawned engine processes inherit this. It must be set
     # before vLLM loads its plugins (when the engine arguments are built below).
     os.environ["VLGUARD_PATCHES"] = "on" if settings.patches else "off"
+    allowed = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+    if allowed is not None:
+        os.environ["VLLM_PLUGINS"] = allowed
     if settings.alignment_max_capture_size:
         os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
     set_ulimit()

@@ -43,6 +43,39 @@ def photo_uri(name: str) -> str:
     return data_uri(photo_bytes(name), PHOTOS[name])
 
 
+def resized_png(data: bytes, longest_side: int, crop: int = 0, stamp: int | None = None) -> bytes:
+    """``data`` (any format Pillow reads) as RGB PNG bytes, cropped by ``crop`` pixels on the right and
+    bottom, scaled so its longest side is ``longest_side`` pixels (aspect ratio kept), and, with
+    ``stamp`` (0 to 2**24 - 1), that number written into the top-left pixel: a distinct image (new content
+    hash: no prefix- or encoder-cache reuse) per stamp."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB")
+        rgb = rgb.crop((0, 0, max(1, rgb.width - crop), max(1, rgb.height - crop)))
+        scale = longest_side / max(rgb.size)
+        rgb = rgb.resize((max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale))))
+        if stamp is not None:
+            rgb.putpixel((0, 0), ((stamp >> 16) & 255, (stamp >> 8) & 255, stamp & 255))
+        buf = io.BytesIO()
+        rgb.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def folder_images(folder: Path) -> dict[str, bytes]:
+    """The PNG, JPEG and WebP files directly in ``folder``, by file name (sorted).
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no such file.
+    """
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp"})
+    if not files:
+        raise FileNotFoundError(f"no .png/.jpg/.jpeg/.webp file in {folder}")
+    return {p.name: p.read_bytes() for p in files}
+
+
 def variant_uri(name: str, index: int) -> str:
     """A PNG data URI of ``name`` cropped by ``index`` pixels on the right and bottom: a different image
     (new content hash, so no prefix-cache or encoder-cache reuse across variants) with a slightly

@@ -1,0 +1,220 @@
+"""``vlguard bench twopass`` and ``vlguard bench compare`` (argument parsing and output files).
+
+``twopass`` drives one running server and prints a table; ``compare`` starts two systems itself (see
+:mod:`server.workload.compare`). Both write JSON and PNG charts into ``--out`` (default ``bench-out/``).
+Loopback only by intent: ``compare`` starts its servers on 127.0.0.1; ``twopass`` sends to ``--url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from server.workload import compare, generator, plots, report
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(int(x) for x in text.split(","))
+    if not sizes or min(sizes) < 28:
+        raise argparse.ArgumentTypeError("comma-separated pixel sizes, each at least 28")
+    return sizes
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError("a fraction between 0 and 1")
+    return value
+
+
+def _workload_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--concurrency", type=int, default=4, help="pairs in flight at once (default 4)")
+    g.add_argument(
+        "--image-sizes",
+        type=_sizes,
+        default=(224, 336, 448),
+        help="longest image sides in px, one chosen per pair (default 224,336,448)",
+    )
+    g.add_argument("--image-dir", type=Path, help="read images from this folder (default: scikit-image's photos)")
+    g.add_argument("--primary-words", type=int, default=40, help="extra words in the primary prompt (default 40)")
+    g.add_argument("--rescue-words", type=int, default=120, help="extra words in the rescue turn (default 120)")
+    g.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (EOS ignored; default 16)")
+    g.add_argument("--stream-share", type=_share, default=0.5, help="fraction of requests streamed (default 0.5)")
+    g.add_argument("--seed", type=int, default=0, help="workload seed: same seed, same requests (default 0)")
+    g.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for JSON and PNG (default bench-out)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace) -> generator.TwoPassConfig:
+    return generator.TwoPassConfig(
+        seed=args.seed,
+        image_sizes=args.image_sizes,
+        primary_words=args.primary_words,
+        rescue_words=args.rescue_words,
+        max_tokens=args.max_tokens,
+        stream_share=args.stream_share,
+        image_dir=args.image_dir,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlguard bench", description="Two-pass workload and comparisons.")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    tp = sub.add_parser("twopass", help="Send the two-pass workload to a running server; print and save results.")
+    tp.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    tp.add_argument("--model", help="served model name (default: the server's first model)")
+    tp.add_argument("--api-key", default="unused", help="bearer token, if the server wants one")
+    bound = tp.add_mutually_exclusive_group()
+    bound.add_argument("--pairs", type=int, default=16, help="images to send, two requests each (default 16)")
+    bound.add_argument("--duration", type=float, help="seconds to keep starting pairs (instead of --pairs)")
+    _workload_args(tp)
+
+    cmp_ = sub.add_parser(
+        "compare",
+        help="Run the workload against two systems started here, side by side; print the ratios.",
+        usage="vlguard bench compare MODEL [options] [-- vllm serve flags for both systems]",
+    )
+    cmp_.add_argument("model", help="model path or name, as for `vllm serve`")
+    cmp_.add_argument(
+        "--scenario",
+        choices=sorted(compare.SCENARIOS),
+        default="overhead",
+        help="overhead: vlguard vs stock; kill: engine killed mid-run, vlguard vs stock; "
+        "alignment / patches: vlguard with that feature on vs off (default overhead)",
+    )
+    cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
+    cmp_.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
+    cmp_.add_argument("--pairs", type=int, default=8, help="pairs per round and system; kill: in all (default 8)")
+    cmp_.add_argument("--kill-after", type=int, default=10, help="kill: successful requests before the kill")
+    cmp_.add_argument(
+        "--emulate-padding",
+        action="store_true",
+        help="vlguard sides emulate CUDA-graph padding on CPU through the test plugin (development environments only)",
+    )
+    _workload_args(cmp_)
+    return parser
+
+
+def _write_json(path: Path, data: Any) -> Path:
+    path.write_text(json.dumps(data, indent=1, default=str, allow_nan=True))
+    return path
+
+
+def twopass(args: argparse.Namespace) -> int:
+    plan = generator.TwoPassPlan(_config(args))
+    pairs = None if args.duration is not None else args.pairs
+    res = asyncio.run(
+        generator.run(
+            args.url,
+            plan,
+            pairs=pairs,
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            model=args.model,
+            api_key=args.api_key,
+            progress=not args.no_progress,
+        )
+    )
+    summary = report.summarize(res.records, res.wall_s)
+    print(report.table({"server": summary}))
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = {
+        "url": args.url,
+        "workload": asdict(plan.config),
+        "summary": summary,
+        "records": [asdict(r) for r in res.records],
+    }
+    written = [
+        _write_json(args.out / "twopass.json", data),
+        plots.latency_plot({"server": res.records}, args.out / "twopass-latency.png", "two-pass workload"),
+    ]
+    print("wrote", *written)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
+    r = result["ratios"]
+    print(
+        f"ratios {a}/{b}: throughput {r['throughput']:.3f} (median of per-round ratios "
+        f"{result['median_round_throughput_ratio']:.3f}), TTFT p50 {r['ttft_p50']:.3f} p99 {r['ttft_p99']:.3f}, "
+        f"e2e p50 {r['e2e_p50']:.3f} p99 {r['e2e_p99']:.3f}; TTFT p50 difference {r['ttft_p50_diff_ms']:+.1f} ms"
+    )
+    for name, counters in result["counters"].items():
+        if counters:
+            print(f"{name} counters over the measured rounds: " + ", ".join(f"{k}={v:g}" for k, v in counters.items()))
+
+
+def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    opts = compare.CompareOptions(
+        model=args.model,
+        scenario=args.scenario,
+        serve_args=tuple(serve_args),
+        workload=_config(args),
+        rounds=args.rounds,
+        warmup=args.warmup,
+        pairs=args.pairs,
+        concurrency=args.concurrency,
+        kill_after=args.kill_after,
+        emulate_padding=args.emulate_padding,
+        out=args.out,
+        progress=not args.no_progress,
+    )
+    a, b = (s.name for s in compare.SCENARIOS[args.scenario])
+    stem = args.out / f"compare-{args.scenario}"
+    if args.scenario == "kill":
+        result = compare.kill(opts)
+        timeline = result.pop("_timeline")
+        for name, s in result["systems"].items():
+            rec = s["first_success_after_kill_s"]
+            print(
+                f"{name:8} first success after kill: {rec if rec is None else f'{rec:.1f} s'}; "
+                f"failed {s['summary']['failed']} of {s['summary']['requests']} "
+                f"(non-streaming {s['summary']['failed_non_streaming']}, streaming {s['summary']['failed_streaming']})"
+            )
+        print(f"recovery time ratio vlguard/stock: {result['recovery_ratio']:.2f}")
+        written = [
+            plots.timeline_plot(timeline, stem.with_name(stem.name + "-timeline.png")),
+            plots.latency_plot(
+                {k: [generator.Record(**r) for r in v["records"]] for k, v in result["systems"].items()},
+                stem.with_name(stem.name + "-latency.png"),
+                "latency with an engine kill",
+            ),
+        ]
+        print(report.table({k: v["summary"] for k, v in result["systems"].items()}))
+    else:
+        result = compare.throughput(opts)
+        print(report.table(result["summaries"]))
+        _print_ratios(a, b, result)
+        runs = {name: [generator.Record(**r) for r in recs] for name, recs in result["records"].items()}
+        written = [plots.latency_plot(runs, stem.with_name(stem.name + "-latency.png"), f"{args.scenario}: {a} vs {b}")]
+    result |= {
+        "scenario": args.scenario,
+        "model": args.model,
+        "serve_args": serve_args,
+        "workload": asdict(opts.workload),
+    }
+    written.insert(0, _write_json(stem.with_suffix(".json"), result))
+    print("wrote", *written)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``vlguard bench ...`` (``argv`` without ``bench``). Everything after ``--`` goes to both servers."""
+    serve_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, serve_args = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    if args.bench == "twopass":
+        if serve_args:
+            print("vlguard bench twopass: no server flags after -- (it drives a running server)", file=sys.stderr)
+            return 2
+        return twopass(args)
+    return compare_main(args, serve_args)

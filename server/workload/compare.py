@@ -1,0 +1,267 @@
+"""``vlguard bench compare``: two systems on the same machine, model and engine arguments, in one run.
+
+Scenarios (systems A / B; every ratio printed is A / B):
+
+- ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost).
+- ``alignment``: vlguard with chunk alignment on vs off (both with the deepstack patches).
+- ``patches``: vlguard with the deepstack backports on vs off.
+- ``kill``: vlguard vs stock, each SIGKILLed in its ``VLLM::EngineCore`` after ``kill_after`` successful
+  requests. The stock server exits on engine death; the harness starts it again at once, as systemd's
+  ``Restart=always`` would, so its recovery includes the cold start.
+
+Throughput scenarios alternate rounds (A B, B A, ...). Each round sends the same fresh pairs to both
+systems (new images every round: no cache reuse across rounds) and the server not being measured is
+SIGSTOPped, so its idle engine and OpenMP threads take no cores from the one being measured. Besides the
+aggregate ratios, the median of per-round throughput ratios is printed: a round's two runs are adjacent in
+time, which cancels most of a noisy machine's drift.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.workload import generator, report
+from server.workload.servers import ServerProcess, engine_env, stock_command, vlguard_command
+
+
+@dataclass(frozen=True)
+class System:
+    """One side of a comparison: stock vLLM or vlguard with extra ``--guard-*`` flags."""
+
+    name: str
+    stock: bool = False
+    guard_args: tuple[str, ...] = ()
+
+
+SCENARIOS: dict[str, tuple[System, System]] = {
+    "overhead": (System("vlguard"), System("stock", stock=True)),
+    "alignment": (
+        System("aligned", guard_args=("--guard-alignment", "on")),
+        System("unaligned", guard_args=("--guard-alignment", "off")),
+    ),
+    "patches": (
+        System("patched", guard_args=("--guard-patches", "on")),
+        System("unpatched", guard_args=("--guard-patches", "off")),
+    ),
+    "kill": (System("vlguard"), System("stock", stock=True)),
+}
+
+#: Counters read from each server's /metrics before and after the measured rounds (their deltas are reported).
+COUNTERS = (
+    "vllm:iteration_tokens_total_count",
+    "vlguard_alignment_steps_total",
+    "vlguard_alignment_recomputed_tokens_total",
+    "vlguard_alignment_deferred_tokens_total",
+    "vlguard_deepstack_padded_reads_total",
+    "vlguard_engine_deaths_total",
+)
+
+
+@dataclass
+class CompareOptions:
+    """What ``vlguard bench compare`` was asked for (see its ``--help``)."""
+
+    model: str
+    scenario: str = "overhead"
+    serve_args: tuple[str, ...] = ()
+    workload: generator.TwoPassConfig = field(default_factory=generator.TwoPassConfig)
+    rounds: int = 6
+    warmup: int = 1
+    pairs: int = 8
+    concurrency: int = 4
+    kill_after: int = 10
+    emulate_padding: bool = False
+    out: Path = Path("bench-out")
+    progress: bool = True
+    ready_timeout_s: float = 900.0
+
+
+def _server(system: System, opts: CompareOptions) -> ServerProcess:
+    log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
+    log.write_bytes(b"")
+    if system.stock:
+        # VLLM_PLUGINS="" loads no plugin: vlguard's (installed in the same environment) stay out of stock.
+        env = engine_env(VLLM_PLUGINS="")
+        return ServerProcess(stock_command(opts.model, *opts.serve_args), log, env=env, ready_path="/health")
+    args = [*opts.serve_args, *system.guard_args]
+    env = engine_env()
+    if opts.emulate_padding:  # the test-only plugin in tests/plugins (development environments)
+        env["VLGUARD_TEST_EMULATE_PADDING"] = "1"
+        args += ["--guard-alignment-max-capture-size", "512"]
+    return ServerProcess(vlguard_command(opts.model, *args), log, env=env)
+
+
+@contextmanager
+def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
+    """Both systems started (concurrently), ready and paused; stopped on exit."""
+    servers = {s.name: _server(s, opts) for s in SCENARIOS[opts.scenario]}
+    try:
+        for srv in servers.values():
+            srv.start()
+        for srv in servers.values():
+            srv.wait_ready(opts.ready_timeout_s)
+            srv.pause()
+        yield servers
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+def _counters(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name in COUNTERS:
+                key = s.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _measure(srv: ServerProcess, opts: CompareOptions, first_pair: int) -> generator.RunResult:
+    plan = generator.TwoPassPlan(opts.workload)
+    srv.resume()
+    try:
+        return asyncio.run(
+            generator.run(
+                srv.url,
+                plan,
+                pairs=opts.pairs,
+                first_pair=first_pair,
+                concurrency=opts.concurrency,
+                progress=opts.progress,
+            )
+        )
+    finally:
+        srv.pause()
+
+
+def throughput(opts: CompareOptions) -> dict[str, Any]:
+    """Alternating rounds on both systems of a throughput scenario; returns the JSON-ready result."""
+    a, b = (s.name for s in SCENARIOS[opts.scenario])
+    records: dict[str, list[generator.Record]] = {a: [], b: []}
+    wall = {a: 0.0, b: 0.0}
+    round_ratios: list[float] = []
+    with _running(opts) as servers:
+        before: dict[str, dict[str, float]] = {}
+        for rnd in range(-opts.warmup, opts.rounds):
+            if rnd == 0:
+                for name, srv in servers.items():
+                    srv.resume()
+                    before[name] = _counters(srv.url)
+                    srv.pause()
+            first_pair = (rnd + opts.warmup) * opts.pairs
+            rate: dict[str, float] = {}
+            for name in (a, b) if rnd % 2 == 0 else (b, a):
+                res = _measure(servers[name], opts, first_pair)
+                rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
+                if rnd >= 0:
+                    records[name] += res.records
+                    wall[name] += res.wall_s
+            if rnd >= 0:
+                round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
+        deltas = {}
+        for name, srv in servers.items():
+            srv.resume()
+            after = _counters(srv.url)
+            deltas[name] = {k: v - before.get(name, {}).get(k, 0.0) for k, v in after.items()}
+    summaries = {name: report.summarize(recs, wall[name]) for name, recs in records.items()}
+    return {
+        "summaries": summaries,
+        "ratios": report.ratios(summaries[a], summaries[b]),
+        "round_throughput_ratios": round_ratios,
+        "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
+        "counters": deltas,
+        "records": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+    }
+
+
+async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) -> dict[str, Any]:
+    plan = generator.TwoPassPlan(opts.workload)
+    state: dict[str, Any] = {"succeeded": 0, "killed_at": None}
+
+    def on_record(rec: generator.Record) -> None:
+        state["succeeded"] += rec.ok
+        if state["killed_at"] is None and state["succeeded"] >= opts.kill_after:
+            srv.engine_core().kill()  # SIGKILL
+            state["killed_at"] = time.monotonic()
+
+    async def supervise() -> None:  # systemd Restart=always for the stock server (it exits on engine death)
+        while True:
+            if system.stock and srv.proc is not None and srv.proc.poll() is not None:
+                srv.start()
+            await asyncio.sleep(0.2)
+
+    async with httpx.AsyncClient(timeout=30) as client:  # asked now: a restarting stock server cannot answer
+        model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
+    supervisor = asyncio.create_task(supervise())
+    try:
+        res = await generator.run(
+            srv.url,
+            plan,
+            pairs=opts.pairs,
+            concurrency=opts.concurrency,
+            model=model,
+            progress=opts.progress,
+            on_record=on_record,
+        )
+        kill_s = None if state["killed_at"] is None else state["killed_at"] - res.started_at  # run's clock
+        recovered = [
+            r.start_s + r.e2e_s - kill_s for r in res.records if r.ok and kill_s is not None and r.start_s > kill_s
+        ]
+        # The load ended before the system recovered (a restarting stock server refuses connections):
+        # keep sending pairs, outside the counted load, until one request succeeds.
+        probe, probes = opts.pairs, []
+        deadline = time.monotonic() + opts.ready_timeout_s
+        while kill_s is not None and not recovered and time.monotonic() < deadline:
+            extra = await generator.run(
+                srv.url, plan, pairs=1, first_pair=probe, concurrency=1, model=model, progress=False
+            )
+            for r in extra.records:
+                r.start_s += extra.started_at - res.started_at  # onto the load's clock
+            probes += extra.records
+            recovered = [r.start_s + r.e2e_s - kill_s for r in extra.records if r.ok]
+            probe += 1
+            if not recovered:
+                await asyncio.sleep(0.5)  # probe pacing while the server is down
+    finally:
+        supervisor.cancel()
+    summary = report.summarize(res.records, res.wall_s)
+    return {
+        "summary": summary,
+        "kill_s": kill_s,
+        "first_success_after_kill_s": min(recovered) if recovered else None,
+        "records": res.records,
+        "probes": probes,  # not in the summary: sent after the counted load, to find the recovery time
+    }
+
+
+def kill(opts: CompareOptions) -> dict[str, Any]:
+    """The kill-and-recover scenario, one system after the other; returns the JSON-ready result."""
+    results: dict[str, dict[str, Any]] = {}
+    with _running(opts) as servers:
+        for system in SCENARIOS["kill"]:
+            srv = servers[system.name]
+            srv.resume()
+            results[system.name] = asyncio.run(_kill_run(srv, system, opts))
+            srv.pause()
+    vg, stock = results["vlguard"], results["stock"]
+    a, b = vg["first_success_after_kill_s"], stock["first_success_after_kill_s"]
+    return {
+        "systems": {
+            k: {**v, "records": [asdict(r) for r in v["records"]], "probes": [asdict(r) for r in v["probes"]]}
+            for k, v in results.items()
+        },
+        "recovery_ratio": a / b if a and b else math.nan,
+        "_timeline": {k: (v["records"] + v["probes"], v["kill_s"] or 0.0) for k, v in results.items()},
+    }

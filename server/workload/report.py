@@ -1,0 +1,80 @@
+"""Summaries, ratios and tables of benchmark runs (pure functions over :class:`~server.workload.generator.Record`)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from server.workload.generator import Record
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles_ms(seconds: Sequence[float]) -> dict[str, float]:
+    """``{"p50": ms, "p90": ms, "p99": ms}`` (linear interpolation); NaN for an empty sample."""
+    if not seconds:
+        return {f"p{p}": math.nan for p in PERCENTILES}
+    values = np.percentile(np.asarray(seconds) * 1000.0, PERCENTILES)
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, values, strict=True)}
+
+
+def summarize(records: Iterable[Record], wall_s: float) -> dict[str, Any]:
+    """Counts, errors by kind, throughput and latency percentiles of one run (or of several runs'
+    records with their summed wall time).
+
+    Throughput: successful requests per second and tokens (prompt + completion, from usage) per second
+    over ``wall_s``. TTFT is measured on streamed requests only; e2e on every successful request.
+    """
+    recs = list(records)
+    ok = [r for r in recs if r.ok]
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in ok)
+    return {
+        "requests": len(recs),
+        "succeeded": len(ok),
+        "failed": len(recs) - len(ok),
+        "failed_streaming": sum(1 for r in recs if not r.ok and r.stream),
+        "failed_non_streaming": sum(1 for r in recs if not r.ok and not r.stream),
+        "errors": dict(sorted(Counter(r.error for r in recs if r.error).items())),
+        "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s if wall_s else math.nan,
+        "tokens_per_s": tokens / wall_s if wall_s else math.nan,
+        "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else math.nan,
+        "ttft_ms": percentiles_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "e2e_ms": percentiles_ms([r.e2e_s for r in ok]),
+    }
+
+
+def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """``a / b`` for throughput and latency percentiles, plus the TTFT p50 difference in ms."""
+
+    def div(x: float, y: float) -> float:
+        return x / y if y and not math.isnan(y) else math.nan
+
+    out = {"throughput": div(a["tokens_per_s"], b["tokens_per_s"])}
+    for metric in ("ttft_ms", "e2e_ms"):
+        for p in ("p50", "p99"):
+            out[f"{metric.removesuffix('_ms')}_{p}"] = div(a[metric][p], b[metric][p])
+    out["ttft_p50_diff_ms"] = a["ttft_ms"]["p50"] - b["ttft_ms"]["p50"]
+    return out
+
+
+def table(summaries: dict[str, dict[str, Any]]) -> str:
+    """A fixed-width text table, one row per named summary."""
+    head = (
+        f"{'system':12} {'requests':>8} {'failed':>6} {'req/s':>7} {'tok/s':>8} "
+        f"{'TTFT p50':>9} {'p90':>7} {'p99':>7} {'e2e p50':>8} {'p90':>7} {'p99':>7}  errors"
+    )
+    rows = [head, "-" * len(head)]
+    for name, s in summaries.items():
+        t, e = s["ttft_ms"], s["e2e_ms"]
+        rows.append(
+            f"{name:12} {s['requests']:8d} {s['failed']:6d} {s['requests_per_s']:7.2f} {s['tokens_per_s']:8.1f} "
+            f"{t['p50']:9.1f} {t['p90']:7.1f} {t['p99']:7.1f} {e['p50']:8.1f} {e['p90']:7.1f} {e['p99']:7.1f}  "
+            f"{s['errors'] or '-'}"
+        )
+    rows.append("(latencies in ms; TTFT over streamed requests; tok/s = prompt + completion tokens per second)")
+    return "\n".join(rows)

@@ -1,0 +1,154 @@
+"""Start, pause and stop real ``vlguard serve`` / stock vLLM OpenAI servers as subprocesses on loopback.
+
+Used by the benchmarks and the tests. A server runs in its own process group with its log in a file,
+is waited for through its readiness endpoint (failing fast with the log's tail when the process exits),
+and is stopped with SIGTERM, then SIGKILL for whatever of its process tree remains. A benchmark can
+SIGSTOP a whole server (``pause``) so its idle engine and OpenMP threads take no cores from the server
+being measured.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """The environment for a CPU engine: 1 GiB KV cache (unless set), no usage stats, plus ``extra``."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env.update(extra)
+    return env
+
+
+def vlguard_command(model: str | Path, *serve_args: str) -> list[str]:
+    """``python -m server serve MODEL ARGS...`` with this interpreter."""
+    return [sys.executable, "-m", "server", "serve", str(model), *serve_args]
+
+
+def stock_command(model: str | Path, *serve_args: str) -> list[str]:
+    """The stock vLLM OpenAI server (``vllm serve``'s code) with this interpreter.
+
+    ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` script: the CPU build is
+    distributed as ``vllm-cpu``, and its console script cannot find the ``vllm`` distribution.
+    """
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *serve_args]
+
+
+@dataclass
+class ServerProcess:
+    """One server subprocess on ``127.0.0.1:port``.
+
+    ``ready_path`` is ``/ready`` for vlguard (engine up) and ``/health`` for stock vLLM.
+    """
+
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=engine_env)
+    port: int = field(default_factory=free_port)
+    ready_path: str = "/ready"
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerProcess:
+        """Start (or start again, on the same port) the server process; does not wait."""
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [*self.argv, "--host", "127.0.0.1", "--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def wait_ready(self, timeout_s: float = 900.0) -> ServerProcess:
+        """Poll the readiness endpoint until 200.
+
+        Raises:
+            RuntimeError: the process exited (message carries the log's tail).
+            TimeoutError: not ready within ``timeout_s`` seconds.
+        """
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if client.get(self.url + self.ready_path).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)  # readiness poll interval
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def children(self) -> list[psutil.Process]:
+        assert self.proc is not None
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def engine_core(self) -> psutil.Process:
+        """The ``VLLM::EngineCore`` child process. Raises ``LookupError`` when there is none."""
+        for child in self.children():
+            try:
+                if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        raise LookupError("no VLLM::EngineCore process under the server")
+
+    def pause(self) -> None:
+        """SIGSTOP the server's whole process group."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the server's whole process group."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL the whole tree. Returns the exit status."""
+        if self.proc is None:
+            return None
+        tree = self.children()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        for child in tree:
+            if child.is_running():
+                child.kill()
+        psutil.wait_procs(tree, timeout=10)
+        return self.proc.returncode

@@ -1,0 +1,69 @@
+"""``vlguard bench``: the two-pass generator against the real server, and a short side-by-side compare
+of vlguard and the stock vLLM server (both started by the command). Asserts that things ran and files are
+valid, never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from tests.servers import REPO, TINY_PROFILE, ServerProcess
+
+
+def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "bench", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _assert_png(path: Path) -> None:
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.width > 400 and img.height > 200
+
+
+def test_twopass_run_completes_without_errors_and_writes_json_and_png(server: ServerProcess, tmp_path: Path) -> None:
+    proc = _bench("twopass", "--url", server.url, "--pairs", "4", "--concurrency", "2", "--image-sizes", "224,320",
+                  "--max-tokens", "8", "--seed", "3", "--out", str(tmp_path), "--no-progress",
+                  timeout_s=300)  # fmt: skip
+    assert "server" in proc.stdout and "TTFT p50" in proc.stdout
+    data = json.loads((tmp_path / "twopass.json").read_text())
+    summary, records = data["summary"], data["records"]
+    assert (summary["requests"], summary["failed"], summary["errors"]) == (8, 0, {})
+    assert sorted(r["kind"] for r in records) == ["primary"] * 4 + ["rescue"] * 4
+    assert all(r["completion_tokens"] == 8 for r in records)  # EOS ignored: fixed work per request
+    for pair in range(4):  # the rescue shares the primary's prefix and adds to it
+        primary, rescue = (
+            next(r for r in records if r["pair"] == pair and r["kind"] == k) for k in ("primary", "rescue")
+        )
+        assert rescue["prompt_tokens"] > primary["prompt_tokens"]
+        assert rescue["start_s"] >= primary["start_s"] + primary["e2e_s"]  # sent after the primary answered
+    streamed = [r for r in records if r["stream"]]
+    assert streamed and all(r["ttft_s"] is not None and 0 < r["ttft_s"] <= r["e2e_s"] for r in streamed)
+    assert summary["tokens_per_s"] > 0 and summary["e2e_ms"]["p50"] > 0
+    _assert_png(tmp_path / "twopass-latency.png")
+
+
+def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_model: Path, tmp_path: Path) -> None:
+    proc = _bench("compare", str(tiny_model), "--rounds", "2", "--warmup", "0", "--pairs", "2", "--concurrency", "2",
+                  "--max-tokens", "4", "--out", str(tmp_path), "--no-progress",
+                  "--", "--config", str(TINY_PROFILE), "--enforce-eager", timeout_s=900)  # fmt: skip
+    assert "ratios vlguard/stock: throughput" in proc.stdout
+    data = json.loads((tmp_path / "compare-overhead.json").read_text())
+    for name in ("vlguard", "stock"):
+        assert (data["summaries"][name]["requests"], data["summaries"][name]["failed"]) == (8, 0), name
+    assert all(math.isfinite(v) for v in data["ratios"].values()), data["ratios"]
+    assert len(data["round_throughput_ratios"]) == 2
+    # Both did the work; only vlguard exports vlguard's metrics (stock runs without vlguard's plugins).
+    assert data["counters"]["vlguard"]["vllm:iteration_tokens_total_count"] > 0
+    assert data["counters"]["stock"]["vllm:iteration_tokens_total_count"] > 0
+    assert not [k for k in data["counters"]["stock"] if k.startswith("vlguard_")]
+    assert "vlguard_deepstack_padded_reads_total" in data["counters"]["vlguard"]
+    _assert_png(tmp_path / "compare-overhead-latency.png")

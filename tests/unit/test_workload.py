@@ -1,0 +1,141 @@
+"""The two-pass workload's request shapes and the benchmark report (pure: no server)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from server.serve import plugin_allowlist
+from server.workload import report
+from server.workload.cli import build_parser
+from server.workload.generator import Record, TwoPassConfig, TwoPassPlan, error_kind
+
+
+def _image_bytes(part: dict[str, object]) -> bytes:
+    url = part["image_url"]["url"]  # type: ignore[index]
+    assert isinstance(url, str) and url.startswith("data:image/png;base64,")
+    return base64.b64decode(url.split(",", 1)[1])
+
+
+def _text_len(messages: list[dict[str, object]]) -> int:
+    total = 0
+    for m in messages:
+        content = m["content"]
+        parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]  # type: ignore[union-attr]
+        total += sum(len(str(p).split()) for p in parts)
+    return total
+
+
+@pytest.fixture(scope="module")
+def plan() -> TwoPassPlan:
+    return TwoPassPlan(TwoPassConfig(seed=7, image_sizes=(64, 96), primary_words=10, rescue_words=30))
+
+
+def test_image_is_last_in_the_user_turn_and_the_same_bytes_in_both_passes(plan: TwoPassPlan) -> None:
+    for i in range(6):
+        pair = plan.pair(i)
+        first_turn = pair.primary[0]
+        assert pair.primary[-1]["role"] == "user"
+        assert [p["type"] for p in first_turn["content"]] == ["text", "image_url"]  # image last
+        assert pair.rescue[0] == first_turn  # the rescue repeats the primary turn unchanged (cache prefix)
+        assert _image_bytes(pair.primary[0]["content"][1]) == _image_bytes(pair.rescue[0]["content"][1]) == pair.image
+        assert _text_len(pair.rescue) > _text_len(pair.primary)  # the rescue is longer
+
+
+def test_the_plan_is_reproducible_and_images_differ_between_pairs(plan: TwoPassPlan) -> None:
+    again = TwoPassPlan(plan.config)
+    assert [again.pair(i) for i in range(4)] == [plan.pair(i) for i in range(4)]
+    assert len({plan.pair(i).image for i in range(12)}) == 12  # no prefix-cache reuse across pairs
+    other = TwoPassPlan(TwoPassConfig(seed=8, image_sizes=(64, 96), primary_words=10, rescue_words=30))
+    assert [other.pair(i).primary for i in range(4)] != [plan.pair(i).primary for i in range(4)]
+
+
+def test_image_sizes_and_prompt_lengths_follow_the_config(plan: TwoPassPlan) -> None:
+    for i in range(8):
+        pair = plan.pair(i)
+        with Image.open(io.BytesIO(pair.image)) as img:
+            assert max(img.size) == pair.image_side in (64, 96)
+        assert len(pair.primary[0]["content"][0]["text"].split("Site notes: ", 1)[1].split()) == 10
+        assert len(pair.rescue[1]["content"].split("Also consider: ", 1)[1].split()) == 30
+
+
+def test_stream_share_is_respected() -> None:
+    never = TwoPassPlan(TwoPassConfig(stream_share=0.0, image_sizes=(32,)))
+    always = TwoPassPlan(TwoPassConfig(stream_share=1.0, image_sizes=(32,)))
+    half = TwoPassPlan(TwoPassConfig(stream_share=0.5, image_sizes=(32,)))
+    assert not any(any(never.pair(i).stream) for i in range(10))
+    assert all(all(always.pair(i).stream) for i in range(10))
+    streamed = sum(sum(half.pair(i).stream) for i in range(100))
+    assert 70 < streamed < 130
+
+
+def test_images_can_come_from_a_folder(tmp_path: Path) -> None:
+    Image.new("RGB", (80, 40), "red").save(tmp_path / "a.png")
+    Image.new("L", (40, 80)).save(tmp_path / "b.jpg")
+    (tmp_path / "notes.txt").write_text("not an image")
+    plan = TwoPassPlan(TwoPassConfig(image_dir=tmp_path, image_sizes=(50,)))
+    assert {plan.pair(i).image_name for i in range(20)} == {"a.png", "b.jpg"}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        TwoPassPlan(TwoPassConfig(image_dir=tmp_path / "empty"))
+
+
+def _rec(ok: bool, e2e: float, ttft: float | None = None, error: str | None = None, stream: bool = False) -> Record:
+    return Record(0, "primary", stream, 0.0, e2e, ttft, ok, error, prompt_tokens=90, completion_tokens=10)
+
+
+def test_summary_counts_errors_by_kind_and_latency_percentiles() -> None:
+    records = [_rec(True, 0.1 * (i + 1), ttft=0.01 * (i + 1), stream=True) for i in range(10)]
+    records += [_rec(False, 1.0, error="http_500"), _rec(False, 1.0, error="connection", stream=True)]
+    s = report.summarize(records, wall_s=2.0)
+    assert (s["requests"], s["succeeded"], s["failed"]) == (12, 10, 2)
+    assert s["errors"] == {"connection": 1, "http_500": 1}
+    assert (s["failed_streaming"], s["failed_non_streaming"]) == (1, 1)
+    assert s["tokens_per_s"] == pytest.approx(10 * 100 / 2.0)
+    assert s["e2e_ms"]["p50"] == pytest.approx(550.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(99.1)
+    assert "http_500" in report.table({"x": s})
+
+
+def test_ratios_divide_a_by_b_and_survive_empty_samples() -> None:
+    fast = report.summarize([_rec(True, 0.1, ttft=0.02, stream=True)], wall_s=1.0)
+    slow = report.summarize([_rec(True, 0.2, ttft=0.03, stream=True)], wall_s=2.0)
+    r = report.ratios(fast, slow)
+    assert r["throughput"] == pytest.approx(2.0)
+    assert r["e2e_p50"] == pytest.approx(0.5)
+    assert r["ttft_p50_diff_ms"] == pytest.approx(-10.0)
+    empty = report.summarize([], wall_s=1.0)
+    assert math.isnan(report.ratios(fast, empty)["ttft_p50"])
+
+
+def test_error_kinds_are_named_from_the_openai_client_exceptions() -> None:
+    import httpx
+    import openai
+
+    req = httpx.Request("POST", "http://127.0.0.1/v1/chat/completions")
+    assert error_kind(openai.APIConnectionError(request=req)) == "connection"
+    assert error_kind(openai.APITimeoutError(request=req)) == "timeout"
+    resp = httpx.Response(503, request=req)
+    assert error_kind(openai.APIStatusError("busy", response=resp, body=None)) == "http_503"
+    assert error_kind(openai.APIError("boom", request=req, body=None)) == "stream_error"
+
+
+def test_bench_arguments_are_validated() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["twopass", "--duration", "5", "--image-sizes", "224,448"])
+    assert args.duration == 5.0 and args.image_sizes == (224, 448)
+    for bad in (["twopass", "--stream-share", "1.5"], ["twopass", "--image-sizes", "8"],
+                ["twopass", "--pairs", "3", "--duration", "2"], ["compare", "m", "--scenario", "nope"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_vlguard_plugins_stay_allowed_when_the_user_restricts_vllm_plugins() -> None:
+    assert plugin_allowlist(None) is None  # unset: vLLM loads every installed plugin
+    assert plugin_allowlist("") == "vlguard_patches,vlguard_fatal"
+    assert plugin_allowlist("mine, vlguard_fatal") == "mine,vlguard_fatal,vlguard_patches"
