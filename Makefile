@@ -8,6 +8,8 @@ export VLGUARD_CACHE ?= $(HOME)/.cache/vlguard
 TINY_MODEL := $(VLGUARD_CACHE)/tiny-qwen3-vl-$(shell cat server/devmodel.py | sha256sum | cut -c1-12)
 MODEL ?= $(TINY_MODEL)
 PYTEST_ARGS ?=
+# full: every test. lane: the focused suite each engine lane runs (tests marked `lane`, all unit tests).
+SUITE ?= full
 
 SCENARIO ?= overhead
 BENCH_ARGS ?=
@@ -42,5 +44,7 @@ lint:  ## ruff (lint + format) and mypy
 	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests && \
 	  $$PY -m ruff format --check server tests && $$PY -m mypy
 
-test: lint tools  ## lint, then the whole test suite (unit + integration on a real vLLM engine)
-	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $(PYTEST_ARGS)
+test: lint tools  ## lint, then the test suite (SUITE=full|lane) on the engine lane VLLM (0.20.0, 0.22.1, 0.32.0)
+	@case "$(SUITE)" in full) marker= ;; lane) marker="-m lane" ;; \
+	  *) echo "SUITE must be full or lane, not '$(SUITE)'" >&2; exit 2 ;; esac; \
+	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $$marker $(PYTEST_ARGS)

@@ -55,9 +55,9 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
         allow_headers=args.allowed_headers,
     )
     if tokens := [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]:
-        from vllm.entrypoints.openai.server_utils import AuthenticationMiddleware
+        from server.compat import vllm_symbol
 
-        app.add_middleware(AuthenticationMiddleware, tokens=tokens)
+        app.add_middleware(vllm_symbol("AuthenticationMiddleware"), tokens=tokens)
 
 
 async def _log_stats_forever(client: GuardedEngineClient, interval_s: float) -> None:
@@ -91,8 +91,9 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from vllm.entrypoints.openai.api_server import init_app_state
+        from server.compat import vllm_symbol
 
+        init_app_state = vllm_symbol("init_app_state")
         notifier.status("loading engine")
         async with supervisor.running():
             client = GuardedEngineClient(supervisor)

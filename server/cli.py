@@ -49,8 +49,11 @@ def _add_guard_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> FlexibleArgumentParser:
     """The ``vlguard`` parser: ``serve`` (vLLM's serve parser + guard flags) and ``tiny-model``."""
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from server.compat import vllm_symbol
+
+    make_arg_parser = vllm_symbol("make_arg_parser")
 
     parser = FlexibleArgumentParser(prog="vlguard", description="Crash-proof Qwen3-VL serving on vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,8 +89,9 @@ def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettin
         SystemExit: unknown flag or bad value (argparse prints the usage).
         pydantic.ValidationError: a guard setting is invalid.
     """
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from server.compat import vllm_symbol
 
+    validate_parsed_serve_args = vllm_symbol("validate_parsed_serve_args")
     args = build_parser().parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag

@@ -167,15 +167,19 @@ class _AlignmentMixin:
         num_new_tokens: int,
         encoder_compute_budget: int,
         shift_computed_tokens: int = 0,
-    ) -> tuple[list[int], int, int, list[int]]:
+    ) -> tuple[Any, ...]:
         """vLLM's choice, except that under ``--disable-chunked-mm-input`` an image starting exactly at
-        the chunk's first token is not split by a short budget: the request waits for the next step."""
+        the chunk's first token is not split by a short budget: the request waits for the next step.
+
+        "Schedule nothing" is asked of vLLM itself (zero new tokens) rather than built here: the result's
+        shape differs between vLLM versions (4 values in 0.20-0.22, 5 in 0.32)."""
         if self.scheduler_config.disable_chunked_mm_input and request.mm_features:
             start = num_computed_tokens + shift_computed_tokens
             for feature in request.mm_features:
                 pos = feature.mm_position
                 if pos.offset == start and num_new_tokens < pos.length <= self.max_num_scheduled_tokens:
-                    return [], 0, encoder_compute_budget, []
+                    num_new_tokens = 0
+                    break
         return super()._try_schedule_encoder_inputs(  # type: ignore[misc]
             request, num_computed_tokens, num_new_tokens, encoder_compute_budget, shift_computed_tokens
         )

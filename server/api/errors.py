@@ -30,8 +30,9 @@ def error_response(
     status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     """An OpenAI-envelope JSON error response with the given HTTP status."""
-    from vllm.entrypoints.openai.engine.protocol import ErrorInfo, ErrorResponse
+    from server.compat import vllm_symbol
 
+    ErrorInfo, ErrorResponse = vllm_symbol("ErrorInfo"), vllm_symbol("ErrorResponse")
     body = ErrorResponse(error=ErrorInfo(message=message, type=HTTPStatus(status).phrase, param=param, code=status))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -85,9 +86,9 @@ async def _on_unavailable(_: Request, exc: Exception) -> JSONResponse:
 async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     # vLLM's own classification: VLLMValidationError/ValueError/TypeError -> 400 (bad input that the
     # serving layer let through, e.g. max_tokens < 1), VLLMNotFoundError -> 404, others -> 500.
-    from vllm.entrypoints.utils import create_error_response
+    from server.compat import vllm_symbol
 
-    err = create_error_response(exc)
+    err = vllm_symbol("create_error_response")(exc)
     if err.error.code >= 500:
         logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
     return JSONResponse(err.model_dump(), status_code=err.error.code)

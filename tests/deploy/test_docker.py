@@ -72,8 +72,11 @@ def _vllm_serve_engine_args(args: str) -> dict[str, Any]:
     import dataclasses
 
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from server.compat import vllm_symbol
+
+    make_arg_parser = vllm_symbol("make_arg_parser")
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     parser.add_argument("model_tag", nargs="?")

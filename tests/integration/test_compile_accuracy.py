@@ -1,9 +1,10 @@
 """Compiled vs ``--enforce-eager`` on image prompts (float32, greedy, logprobs): CASES C3 and C4.
 
-Stock vLLM 0.20.0 traces the compiled decoder with ``deepstack_input_embeds=None`` during profiling, so
+Stock vLLM 0.20.0 - 0.22.x traces the compiled decoder with ``deepstack_input_embeds=None`` during profiling, so
 compiled output ignores the image's deepstack features: image prompts differ from eager while text
 prompts match. With vlguard's ``deepstack_empty_buffer`` backport they match, even on a fresh server
-whose first request is text-only.
+whose first request is text-only. On vLLM >= 0.23 (fixed upstream) stock compiled output already
+matches, and vlguard leaves the model alone.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from server.patches.deepstack import EMPTY_BUFFER
 from tests.integration.outputs import IMAGE_PROMPTS, TEXT_PROMPT, Greedy, assert_same, greedy
+from tests.lanes import has_defect
 from tests.servers import ServerProcess, vlguard_argv
+
+pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
 
 def _serve(tiny_model: Path, tmp: pytest.TempPathFactory, name: str, *flags: str) -> Iterator[OpenAI]:
@@ -56,7 +61,10 @@ def test_stock_compiled_ignores_image_deepstack(
         for name, msgs in IMAGE_PROMPTS.items()
         if greedy(compiled_stock, model_name, msgs).token_ids != eager_reference[name].token_ids
     ]
-    assert differing == list(IMAGE_PROMPTS)  # the bug is visible on every image prompt
+    if has_defect(EMPTY_BUFFER):
+        assert differing == list(IMAGE_PROMPTS)  # the bug is visible on every image prompt
+    else:
+        assert differing == []  # fixed upstream on this lane: nothing for vlguard to do
 
 
 def test_patched_compiled_matches_eager_after_text_first(

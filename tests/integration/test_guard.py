@@ -176,6 +176,7 @@ async def _chat(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[int
         return resp.status_code, ids, None
 
 
+@pytest.mark.lane
 async def test_kill_engine_core_with_32_requests_in_flight(guarded: ServerProcess, model_name: str) -> None:
     import asyncio
 

@@ -1,4 +1,4 @@
-"""The OpenAI surface of a real vlguard server on a real vLLM 0.20.0 engine (tiny Qwen3-VL, CPU)."""
+"""The OpenAI surface of a real vlguard server on a real vLLM engine (tiny Qwen3-VL, CPU)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from server.patches import KNOWN_PATCHES
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
+from tests.lanes import VLLM_VERSION, expected_patches
 from tests.servers import ServerProcess
+
+pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
 PHOTOS = ["rocket.jpg", "astronaut.png", "camera.png", "logo.png"]  # JPEG, RGB, grayscale, RGBA
 N_TOKENS = 6
@@ -78,8 +82,14 @@ def test_health_ready_version(server: ServerProcess) -> None:
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True
     version = httpx.get(server.url + "/version").json()
-    assert version["vllm_version"] == "0.20.0"
+    assert version["vllm_version"] == VLLM_VERSION
     assert version["version"]
+    # Patch detection: exactly the backports this lane's vLLM needs, in /version and on /metrics.
+    assert version["patches"]["enabled"] is True and version["patches"]["active"] == expected_patches()
+    text = httpx.get(server.url + "/metrics").text
+    for patch in KNOWN_PATCHES:
+        value = "1.0" if patch in expected_patches() else "0.0"
+        assert f'vlguard_patch_active{{patch="{patch}",vllm_version="{VLLM_VERSION}"}} {value}' in text
 
 
 def test_metrics_include_vllm_series(server: ServerProcess, openai_client: OpenAI, model_name: str) -> None:

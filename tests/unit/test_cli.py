@@ -80,8 +80,11 @@ def test_unknown_flag_is_refused() -> None:
 @pytest.mark.parametrize("profile", ["tiny-cpu.yaml", "qwen3-vl-30b-a3b-fp8.yaml"])
 def test_shipped_profiles_also_parse_for_stock_vllm(profile: str) -> None:
     # Rollback to stock `vllm serve --config <profile>` must keep working: no guard-* keys in them.
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from server.compat import vllm_symbol
+
+    make_arg_parser = vllm_symbol("make_arg_parser")
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--config", str(REPO / "config" / profile)])
     assert args.enable_prefix_caching is True

@@ -1,7 +1,9 @@
 """Semantics of the patched deepstack buffer on the real ``Qwen3VLForConditionalGeneration`` class.
 
 The model is not loaded: an instance is made without ``__init__`` and given the buffer state that
-``__init__`` would create, so these tests exercise the class's (patched) methods directly.
+``__init__`` would create, so these tests exercise the class's (patched) methods directly. Both
+backports are applied whatever the lane needs (production applies only what :mod:`server.patches.detect`
+finds): these tests pin the backports' own behaviour on each lane's class.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from server.patches import deepstack, detect
+from tests.lanes import expected_patches
 
 LEVELS, CAPACITY, HIDDEN = 2, 64, 8
 
@@ -25,8 +28,8 @@ def model_cls() -> Iterator[type]:
     # vLLM may already have loaded vlguard's plugin in this test process (an earlier test built a vLLM
     # config), which patches the class when the model registry loads it: start from the stock methods.
     was_patched = deepstack.restore(cls)
-    assert detect.defects(cls) == [deepstack.PADDED_READ, deepstack.EMPTY_BUFFER]  # stock 0.20.0
-    deepstack.apply(cls, detect.defects(cls))
+    assert sorted(detect.defects(cls)) == expected_patches()  # the lane's stock defects, no more, no less
+    deepstack.apply(cls, [deepstack.PADDED_READ, deepstack.EMPTY_BUFFER])
     yield cls
     deepstack.restore(cls)
     if was_patched:

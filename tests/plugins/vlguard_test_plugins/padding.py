@@ -56,13 +56,14 @@ def _skip_padded_kv_slots() -> None:
         return
 
     def cpu_attn_reshape_and_cache(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any,
-                                   *args: Any) -> Any:  # fmt: skip
+                                   *args: Any, **kwargs: Any) -> Any:  # fmt: skip
         rows = slot_mapping.size(0)  # as the CUDA kernels: one KV write per slot-mapping entry
         key, value = key[:rows], value[:rows]
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        return original(key, value, key_cache, value_cache, slot_mapping, *args)
+        # vLLM >= 0.22 passes the scales and the cache dtype as keywords.
+        return original(key, value, key_cache, value_cache, slot_mapping, *args, **kwargs)
 
     cpu_attn_reshape_and_cache.__vlguard_test_padding__ = True  # type: ignore[attr-defined]
     ops.cpu_attn_reshape_and_cache = cpu_attn_reshape_and_cache

@@ -1,0 +1,72 @@
+"""Where the vLLM internals vlguard uses live, across the supported vLLM versions (0.20.0 to 0.32.x).
+
+vlguard imports a handful of names from vLLM's OpenAI front end that moved between versions. They are
+resolved here, newest location first, and nowhere else:
+
+- ``make_arg_parser``, ``validate_parsed_serve_args``: ``vllm.entrypoints.openai.cli_args`` (0.20 - 0.22),
+  ``vllm.entrypoints.launchers.cli_args`` (0.32);
+- ``ErrorInfo``, ``ErrorResponse``: ``vllm.entrypoints.openai.engine.protocol`` (0.20 - 0.22),
+  ``vllm.entrypoints.serve.engine.protocol`` (0.32);
+- ``create_error_response``: ``vllm.entrypoints.utils`` (0.20 - 0.22),
+  ``vllm.entrypoints.serve.exception_handling.error_response`` (0.32);
+- ``AuthenticationMiddleware``: ``vllm.entrypoints.openai.server_utils`` (0.20 - 0.22),
+  ``vllm.entrypoints.serve.middleware.authenticate`` (0.32);
+- ``init_app_state``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22; 0.32 keeps a deprecated
+  re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32).
+
+Differences in behaviour rather than location are handled where they happen, without version checks:
+the deepstack backports probe each model class for the defects themselves (:mod:`server.patches.detect`);
+the aligned scheduler asks vLLM for an empty encoder schedule instead of building one (its shape changed
+from 4 to 5 values in 0.32); the test-only padding emulation passes vLLM's keyword arguments through.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: name -> modules that may define it, newest vLLM first.
+MOVED: dict[str, tuple[str, ...]] = {
+    "make_arg_parser": ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+    "validate_parsed_serve_args": ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+    "ErrorInfo": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.engine.protocol"),
+    "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.engine.protocol"),
+    "create_error_response": (
+        "vllm.entrypoints.serve.exception_handling.error_response",
+        "vllm.entrypoints.utils",
+    ),
+    "AuthenticationMiddleware": (
+        "vllm.entrypoints.serve.middleware.authenticate",
+        "vllm.entrypoints.openai.server_utils",
+    ),
+    "init_app_state": ("vllm.entrypoints.launchers.api_server.app_state", "vllm.entrypoints.openai.api_server"),
+}
+
+
+def _missing(exc: ModuleNotFoundError, module: str) -> bool:
+    """Whether ``exc`` says ``module`` itself (or a parent package) is absent, not one of its imports."""
+    return exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
+
+
+def source_of(name: str) -> str:
+    """The module the installed vLLM defines ``name`` in.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`MOVED`.
+        ImportError: no known location defines it (an unsupported vLLM version).
+    """
+    for module in MOVED[name]:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if _missing(exc, module):
+                continue
+            raise
+        if hasattr(mod, name):
+            return module
+    raise ImportError(f"vLLM defines {name} in none of {', '.join(MOVED[name])}: unsupported vLLM version")
+
+
+def vllm_symbol(name: str) -> Any:
+    """The installed vLLM's ``name`` (a class or function of :data:`MOVED`). Raises as :func:`source_of`."""
+    return getattr(importlib.import_module(source_of(name)), name)

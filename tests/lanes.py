@@ -1,0 +1,39 @@
+"""What the installed vLLM (the engine lane) is expected to get wrong, so tests assert the right thing on
+every lane: the upstream defect where it still exists, its absence where upstream fixed it.
+
+Measured from the wheels (../shared/reference/FACTS.md, "Where each upstream fix landed"):
+
+=======  ==================================  ======================================
+lane     padded read raises (ValueError)      empty buffer returns None (compile)
+=======  ==================================  ======================================
+0.20.0   yes                                 yes
+0.22.1   no                                  yes
+0.32.0   no                                  no
+=======  ==================================  ======================================
+"""
+
+from __future__ import annotations
+
+import vllm
+
+from server.patches.deepstack import EMPTY_BUFFER, PADDED_READ
+
+#: vLLM version -> the deepstack patches vlguard must activate on it (sorted, as /version reports them).
+EXPECTED_PATCHES: dict[str, list[str]] = {
+    "0.20.0": sorted([EMPTY_BUFFER, PADDED_READ]),
+    "0.22.1": [EMPTY_BUFFER],
+    "0.32.0": [],
+}
+
+VLLM_VERSION: str = vllm.__version__
+
+
+def expected_patches() -> list[str]:
+    """The patches the installed vLLM needs. Fails for a vLLM version no lane describes."""
+    assert VLLM_VERSION in EXPECTED_PATCHES, f"no engine lane describes vLLM {VLLM_VERSION}"
+    return EXPECTED_PATCHES[VLLM_VERSION]
+
+
+def has_defect(patch: str) -> bool:
+    """Whether the installed vLLM still has the defect ``patch`` cures."""
+    return patch in expected_patches()

@@ -1,0 +1,65 @@
+"""server.compat: each moved vLLM name resolves on the installed lane, from the location that lane uses,
+and behaves as vlguard expects. (The scheduler's 4-vs-5-value encoder schedule is covered by
+test_aligned_scheduler on every lane; the padding emulation's keyword arguments by the padded servers.)"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+from server import compat
+from tests.lanes import VLLM_VERSION
+
+#: vLLM version -> whether the OpenAI front end has moved to its 0.32 layout.
+NEW_LAYOUT = {"0.20.0": False, "0.22.1": False, "0.32.0": True}
+
+
+@pytest.mark.parametrize("name", sorted(compat.MOVED))
+def test_each_moved_name_comes_from_the_lanes_location(name: str) -> None:
+    newest, oldest = compat.MOVED[name][0], compat.MOVED[name][-1]
+    assert compat.source_of(name) == (newest if NEW_LAYOUT[VLLM_VERSION] else oldest)
+    assert compat.vllm_symbol(name) is getattr(sys.modules[compat.source_of(name)], name)
+
+
+def test_serve_parser_and_validation() -> None:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = compat.vllm_symbol("make_arg_parser")(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", "--max-model-len", "64", "--enable-prefix-caching"])
+    assert (args.model, args.max_model_len, args.enable_prefix_caching) == ("m", 64, True)
+    compat.vllm_symbol("validate_parsed_serve_args")(args)  # raises on invalid combinations only
+
+
+def test_error_envelope_and_vllms_error_classification() -> None:
+    info = compat.vllm_symbol("ErrorInfo")(message="m", type="Bad Request", param="p", code=400)
+    body = compat.vllm_symbol("ErrorResponse")(error=info).model_dump()
+    assert body["error"] == {"message": "m", "type": "Bad Request", "param": "p", "code": 400}
+    err = compat.vllm_symbol("create_error_response")(ValueError("bad value"))
+    assert err.error.code == 400 and "bad value" in err.error.message
+
+
+def test_auth_middleware_and_app_state_initialiser() -> None:
+    middleware = compat.vllm_symbol("AuthenticationMiddleware")
+    assert "tokens" in inspect.signature(middleware).parameters
+    init_app_state = compat.vllm_symbol("init_app_state")
+    assert asyncio.iscoroutinefunction(init_app_state)
+    assert list(inspect.signature(init_app_state).parameters)[:3] == ["engine_client", "state", "args"]
+
+
+def test_a_broken_location_is_an_error_not_a_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A module that exists but fails on one of its own imports must surface, not be skipped silently.
+    (tmp_path / "vlguard_broken_mod.py").write_text("import vlguard_no_such_dependency\n")
+    (tmp_path / "vlguard_ok_mod.py").write_text("thing = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(compat.MOVED, "thing", ("vlguard_absent_pkg.mod", "vlguard_ok_mod"))
+    assert compat.vllm_symbol("thing") == 42  # absent newer location: falls back
+    monkeypatch.setitem(compat.MOVED, "thing", ("vlguard_broken_mod", "vlguard_ok_mod"))
+    with pytest.raises(ModuleNotFoundError, match="vlguard_no_such_dependency"):
+        compat.vllm_symbol("thing")
+    monkeypatch.setitem(compat.MOVED, "thing", ("vlguard_absent_pkg.mod",))
+    with pytest.raises(ImportError, match="unsupported vLLM version"):
+        compat.vllm_symbol("thing")
