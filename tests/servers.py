@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.workload import servers
-from server.workload.servers import engine_env, free_port
+from server.workload.servers import engine_env, free_port, metric_samples
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_PROFILE = REPO / "config" / "tiny-cpu.yaml"
 
-__all__ = ["REPO", "TINY_PROFILE", "ServerProcess", "engine_env", "free_port", "vlguard_argv"]
+__all__ = ["REPO", "TINY_PROFILE", "ServerProcess", "engine_env", "free_port", "metric_samples", "vlguard_argv"]
 
 
 @dataclass

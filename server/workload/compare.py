@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from server.workload import generator, report
-from server.workload.servers import ServerProcess, engine_env, stock_command, vlguard_command
+from server.workload.servers import ServerProcess, engine_env, metric_samples, stock_command, vlguard_command
 
 
 @dataclass(frozen=True)
@@ -119,13 +118,7 @@ def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
 
 
 def _counters(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for s in family.samples:
-            if s.name in COUNTERS:
-                key = s.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
-                out[key] = out.get(key, 0.0) + s.value
-    return out
+    return metric_samples(url, *COUNTERS, by_label="outcome")
 
 
 def _measure(srv: ServerProcess, opts: CompareOptions, first_pair: int) -> generator.RunResult:

@@ -36,6 +36,22 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def metric_samples(url: str, *prefixes: str, by_label: str | None = None) -> dict[str, float]:
+    """The samples on ``url``/metrics whose names start with one of ``prefixes`` (all when none given),
+    summed over their labels. With ``by_label``, samples carrying that label are kept apart, keyed
+    ``name{value}`` (e.g. ``vlguard_alignment_steps_total{filled}``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in family.samples:
+            if prefixes and not s.name.startswith(prefixes):
+                continue
+            key = s.name + (f"{{{s.labels[by_label]}}}" if by_label and by_label in s.labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
 def vlguard_command(model: str | Path, *serve_args: str) -> list[str]:
     """``python -m server serve MODEL ARGS...`` with this interpreter."""
     return [sys.executable, "-m", "server", "serve", str(model), *serve_args]

@@ -14,10 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.outputs import assert_same, greedy, two_pass_workload
-from tests.servers import ServerProcess, engine_env, vlguard_argv
+from tests.servers import ServerProcess, engine_env, metric_samples, vlguard_argv
+
+pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
 CRASH = "Requested more deepstack tokens than available in buffer"
 
@@ -51,13 +52,7 @@ def _client(srv: ServerProcess) -> OpenAI:
 
 
 def _alignment_samples(srv: ServerProcess) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
-        for s in family.samples:
-            if s.name.startswith(("vlguard_alignment_", "vlguard_engine_deaths")):
-                key = s.name + (f"{{{s.labels['outcome']}}}" if "outcome" in s.labels else "")
-                out[key] = out.get(key, 0.0) + s.value
-    return out
+    return metric_samples(srv.url, "vlguard_alignment_", "vlguard_engine_deaths", by_label="outcome")
 
 
 def test_two_pass_workload_survives_without_the_patch(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from server.workload.images import data_uri
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, metric_samples
 
 
 def _small_png() -> str:
@@ -69,8 +69,7 @@ def body(model: str) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _deaths(srv: ServerProcess) -> float:
-    text = httpx.get(srv.url + "/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vlguard_engine_deaths"))
+    return metric_samples(srv.url, "vlguard_engine_deaths").get("vlguard_engine_deaths_total", 0.0)
 
 
 def test_chat_endpoint_never_answers_5xx(server: ServerProcess, model_name: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from server.workload.images import data_uri, photo_bytes, photo_uri
-from tests.servers import ServerProcess, engine_env, vlguard_argv
+from tests.servers import ServerProcess, engine_env, metric_samples, vlguard_argv
 
 KEY = "test-key-0f3a9c1e"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -56,8 +56,7 @@ def _chat(srv: ServerProcess, model: str, *urls: str, headers: dict[str, str] | 
 
 def _engine_generation(srv: ServerProcess) -> tuple[str, float]:
     """The engine state and the total of engine deaths: both must not change across a bad request."""
-    metrics = httpx.get(srv.url + "/metrics").text
-    deaths = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vlguard_engine_deaths"))
+    deaths = metric_samples(srv.url, "vlguard_engine_deaths").get("vlguard_engine_deaths_total", 0.0)
     return httpx.get(srv.url + "/health").json()["engine"], deaths
 
 
