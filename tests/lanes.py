@@ -1,7 +1,8 @@
 """What the installed vLLM (the engine lane) is expected to get wrong, so tests assert the right thing on
 every lane: the upstream defect where it still exists, its absence where upstream fixed it.
 
-Measured from the wheels (../shared/reference/FACTS.md, "Where each upstream fix landed"):
+Read from the vLLM wheels (the raise went in vllm PR 40932, released in 0.20.2; the ``None`` branch in
+vllm PR 43617, released in 0.23.0):
 
 =======  ==================================  ======================================
 lane     padded read raises (ValueError)      empty buffer returns None (compile)

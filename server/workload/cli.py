@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
     cmp_.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     cmp_.add_argument("--pairs", type=int, default=8, help="pairs per round and system; kill: in all (default 8)")
-    cmp_.add_argument("--kill-after", type=int, default=10, help="kill: successful requests before the kill")
+    cmp_.add_argument("--kill-after", type=int, default=10, help="kill: successes before the kill (default 10)")
     cmp_.add_argument(
         "--emulate-padding",
         action="store_true",

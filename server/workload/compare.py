@@ -3,7 +3,7 @@
 Scenarios (systems A / B; every ratio printed is A / B):
 
 - ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost).
-- ``alignment``: vlguard with chunk alignment on vs off (both with the deepstack patches).
+- ``alignment``: vlguard with chunk alignment on vs off (deepstack patches as detected on both).
 - ``patches``: vlguard with the deepstack backports on vs off.
 - ``kill``: vlguard vs stock, each SIGKILLed in its ``VLLM::EngineCore`` after ``kill_after`` successful
   requests. The stock server exits on engine death; the harness starts it again at once, as systemd's
