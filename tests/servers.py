@@ -4,12 +4,11 @@ the tiny model's profile."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from server.workload import servers
-from server.workload.servers import engine_env, free_port, metric_samples
+from server.workload.servers import engine_env, free_port, metric_samples, vlguard_command
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_PROFILE = REPO / "config" / "tiny-cpu.yaml"
@@ -26,4 +25,4 @@ class ServerProcess(servers.ServerProcess):
 
 def vlguard_argv(model: Path, *extra: str) -> list[str]:
     """``python -m server serve <model> --config tiny-cpu.yaml <extra>`` with this interpreter."""
-    return [sys.executable, "-m", "server", "serve", str(model), "--config", str(TINY_PROFILE), *extra]
+    return vlguard_command(model, "--config", str(TINY_PROFILE), *extra)

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _jsonable(obj: Any) -> Any:
+    """``json.dumps`` fallback: dataclasses (records, configs) as dicts, anything else (paths) as text."""
+    return asdict(obj) if is_dataclass(obj) and not isinstance(obj, type) else str(obj)
+
+
 def _write_json(path: Path, data: Any) -> Path:
-    path.write_text(json.dumps(data, indent=1, default=str, allow_nan=True))
+    path.write_text(json.dumps(data, indent=1, default=_jsonable, allow_nan=True))
     return path
 
 
@@ -124,12 +129,7 @@ def twopass(args: argparse.Namespace) -> int:
     summary = report.summarize(res.records, res.wall_s)
     print(report.table({"server": summary}))
     args.out.mkdir(parents=True, exist_ok=True)
-    data = {
-        "url": args.url,
-        "workload": asdict(plan.config),
-        "summary": summary,
-        "records": [asdict(r) for r in res.records],
-    }
+    data = {"url": args.url, "workload": plan.config, "summary": summary, "records": res.records}
     written = [
         _write_json(args.out / "twopass.json", data),
         plots.latency_plot({"server": res.records}, args.out / "twopass-latency.png", "two-pass workload"),
@@ -170,7 +170,6 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     stem = args.out / f"compare-{args.scenario}"
     if args.scenario == "kill":
         result = compare.kill(opts)
-        timeline = result.pop("_timeline")
         for name, s in result["systems"].items():
             rec = s["first_success_after_kill_s"]
             print(
@@ -180,9 +179,12 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
             )
         print(f"recovery time ratio vlguard/stock: {result['recovery_ratio']:.2f}")
         written = [
-            plots.timeline_plot(timeline, stem.with_name(stem.name + "-timeline.png")),
+            plots.timeline_plot(
+                {k: (v["records"] + v["probes"], v["kill_s"] or 0.0) for k, v in result["systems"].items()},
+                stem.with_name(stem.name + "-timeline.png"),
+            ),
             plots.latency_plot(
-                {k: [generator.Record(**r) for r in v["records"]] for k, v in result["systems"].items()},
+                {k: v["records"] for k, v in result["systems"].items()},
                 stem.with_name(stem.name + "-latency.png"),
                 "latency with an engine kill",
             ),
@@ -192,13 +194,16 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         result = compare.throughput(opts)
         print(report.table(result["summaries"]))
         _print_ratios(a, b, result)
-        runs = {name: [generator.Record(**r) for r in recs] for name, recs in result["records"].items()}
-        written = [plots.latency_plot(runs, stem.with_name(stem.name + "-latency.png"), f"{args.scenario}: {a} vs {b}")]
+        written = [
+            plots.latency_plot(
+                result["records"], stem.with_name(stem.name + "-latency.png"), f"{args.scenario}: {a} vs {b}"
+            )
+        ]
     result |= {
         "scenario": args.scenario,
         "model": args.model,
         "serve_args": serve_args,
-        "workload": asdict(opts.workload),
+        "workload": opts.workload,
     }
     written.insert(0, _write_json(stem.with_suffix(".json"), result))
     print("wrote", *written)

@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,8 @@ def _measure(srv: ServerProcess, opts: CompareOptions, first_pair: int) -> gener
 
 
 def throughput(opts: CompareOptions) -> dict[str, Any]:
-    """Alternating rounds on both systems of a throughput scenario; returns the JSON-ready result."""
+    """Alternating rounds on both systems of a throughput scenario; returns the result (records as
+    :class:`~server.workload.generator.Record`)."""
     a, b = (s.name for s in SCENARIOS[opts.scenario])
     records: dict[str, list[generator.Record]] = {a: [], b: []}
     wall = {a: 0.0, b: 0.0}
@@ -175,7 +176,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "round_throughput_ratios": round_ratios,
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
         "counters": deltas,
-        "records": {name: [asdict(r) for r in recs] for name, recs in records.items()},
+        "records": records,
     }
 
 
@@ -240,7 +241,8 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
 
 
 def kill(opts: CompareOptions) -> dict[str, Any]:
-    """The kill-and-recover scenario, one system after the other; returns the JSON-ready result."""
+    """The kill-and-recover scenario, one system after the other; returns the result (per system: summary,
+    kill time, first success after it, records and probes as :class:`~server.workload.generator.Record`)."""
     results: dict[str, dict[str, Any]] = {}
     with _running(opts) as servers:
         for system in SCENARIOS["kill"]:
@@ -248,13 +250,5 @@ def kill(opts: CompareOptions) -> dict[str, Any]:
             srv.resume()
             results[system.name] = asyncio.run(_kill_run(srv, system, opts))
             srv.pause()
-    vg, stock = results["vlguard"], results["stock"]
-    a, b = vg["first_success_after_kill_s"], stock["first_success_after_kill_s"]
-    return {
-        "systems": {
-            k: {**v, "records": [asdict(r) for r in v["records"]], "probes": [asdict(r) for r in v["probes"]]}
-            for k, v in results.items()
-        },
-        "recovery_ratio": a / b if a and b else math.nan,
-        "_timeline": {k: (v["records"] + v["probes"], v["kill_s"] or 0.0) for k, v in results.items()},
-    }
+    a, b = (results[s.name]["first_success_after_kill_s"] for s in SCENARIOS["kill"])
+    return {"systems": results, "recovery_ratio": a / b if a and b else math.nan}

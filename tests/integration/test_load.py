@@ -13,7 +13,7 @@ import psutil
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, metric_samples
 
 CLIENTS = 64
 DURATION_S = 30.0
@@ -67,8 +67,7 @@ async def _load(srv: ServerProcess, model: str) -> list[int]:
 
 def _tasks(srv: ServerProcess) -> float:
     """asyncio tasks alive in the server's API process (vlguard_api_event_loop_tasks, set at each scrape)."""
-    text = httpx.get(srv.url + "/metrics").text
-    return float(next(x for x in text.splitlines() if x.startswith("vlguard_api_event_loop_tasks ")).split()[-1])
+    return metric_samples(srv.url, "vlguard_api_event_loop_tasks")["vlguard_api_event_loop_tasks"]
 
 
 def _settled(srv: ServerProcess, timeout_s: float = 60) -> None:
