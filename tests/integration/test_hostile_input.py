@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -121,8 +122,9 @@ def test_api_key(guarded: ServerProcess, model_name: str) -> None:
 def test_past_the_inflight_bound_is_429_with_retry_after(guarded: ServerProcess, model_name: str) -> None:
     """3 long streams fill --guard-max-inflight 3; a 4th request is refused at once, not queued.
 
-    The streams are not read until the 4th request has been answered, and each is larger (3000 tokens
-    with 5 top logprobs, a few MB of events) than loopback socket buffers hold, so none can finish early.
+    Once all three streams have sent their first event the engine core is SIGSTOPped until the 4th request
+    has been answered, so no stream can finish early. (Not reading them was not enough: on a machine with
+    larger loopback socket buffers a whole 3000-token stream fit in them and the 4th request was admitted.)
     """
     started, checked = threading.Barrier(4), threading.Event()
     body = {
@@ -145,14 +147,18 @@ def test_past_the_inflight_bound_is_429_with_retry_after(guarded: ServerProcess,
     for w in workers:
         w.start()
     started.wait(120)
+    core = guarded.engine_core()
+    core.send_signal(signal.SIGSTOP)  # well inside the 60 s hang timeout: no restart
     try:
         resp = _chat(guarded, model_name, photo_uri("astronaut.png"))
     finally:
+        core.send_signal(signal.SIGCONT)
         checked.set()
     assert resp.status_code == 429 and resp.headers["Retry-After"].isdigit(), resp.text
     for w in workers:
         w.join(300)
     assert statuses == [200, 200, 200]
+    assert _engine_generation(guarded) == ("ready", 0.0)  # the short stop was not taken for a hang
     assert _chat(guarded, model_name, photo_uri("astronaut.png")).status_code == 200
 
 
