@@ -145,6 +145,8 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
         f"{result['median_round_throughput_ratio']:.3f}), TTFT p50 {r['ttft_p50']:.3f} p99 {r['ttft_p99']:.3f}, "
         f"e2e p50 {r['e2e_p50']:.3f} p99 {r['e2e_p99']:.3f}; TTFT p50 difference {r['ttft_p50_diff_ms']:+.1f} ms"
     )
+    for name, roles in result.get("cpu_ms_per_request", {}).items():
+        print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
     for name, counters in result["counters"].items():
         if counters:
             print(f"{name} counters over the measured rounds: " + ", ".join(f"{k}={v:g}" for k, v in counters.items()))

@@ -121,8 +121,12 @@ def _counters(url: str) -> dict[str, float]:
     return metric_samples(url, *COUNTERS, by_label="outcome")
 
 
-def _measure(srv: ServerProcess, opts: CompareOptions, first_pair: int) -> generator.RunResult:
+def _measure(
+    srv: ServerProcess, opts: CompareOptions, first_pair: int, cpu: dict[str, float] | None = None
+) -> generator.RunResult:
+    """One round on ``srv``; adds the CPU seconds each process role used in it to ``cpu`` when given."""
     plan = generator.TwoPassPlan(opts.workload)
+    before = srv.cpu_seconds()
     srv.resume()
     try:
         return asyncio.run(
@@ -137,6 +141,9 @@ def _measure(srv: ServerProcess, opts: CompareOptions, first_pair: int) -> gener
         )
     finally:
         srv.pause()
+        if cpu is not None:
+            for role, used in srv.cpu_seconds().items():
+                cpu[role] = cpu.get(role, 0.0) + used - before.get(role, 0.0)
 
 
 def throughput(opts: CompareOptions) -> dict[str, Any]:
@@ -145,6 +152,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
     a, b = (s.name for s in SCENARIOS[opts.scenario])
     records: dict[str, list[generator.Record]] = {a: [], b: []}
     wall = {a: 0.0, b: 0.0}
+    cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
     round_ratios: list[float] = []
     with _running(opts) as servers:
         before: dict[str, dict[str, float]] = {}
@@ -157,7 +165,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
             first_pair = (rnd + opts.warmup) * opts.pairs
             rate: dict[str, float] = {}
             for name in (a, b) if rnd % 2 == 0 else (b, a):
-                res = _measure(servers[name], opts, first_pair)
+                res = _measure(servers[name], opts, first_pair, cpu[name] if rnd >= 0 else None)
                 rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
                 if rnd >= 0:
                     records[name] += res.records
@@ -176,6 +184,12 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "round_throughput_ratios": round_ratios,
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
         "counters": deltas,
+        # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
+        # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).
+        "cpu_ms_per_request": {
+            name: {role: 1000 * used / max(1, len(records[name])) for role, used in sorted(cpu[name].items())}
+            for name in (a, b)
+        },
         "records": records,
     }
 

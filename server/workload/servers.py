@@ -140,6 +140,26 @@ class ServerProcess:
                 continue
         raise LookupError("no VLLM::EngineCore process under the server")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, seconds) used so far by each process role of the server: ``api`` (the
+        server process itself), ``engine_core``, ``worker`` and ``other`` children."""
+        assert self.proc is not None
+        used: dict[str, float] = {}
+        try:
+            procs = [psutil.Process(self.proc.pid), *self.children()]
+        except psutil.NoSuchProcess:
+            return used
+        for proc in procs:
+            try:
+                label = " ".join(proc.cmdline()) + proc.name()
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            role = ("api" if proc.pid == self.proc.pid else "engine_core" if "EngineCore" in label
+                    else "worker" if "Worker" in label else "other")  # fmt: skip
+            used[role] = used.get(role, 0.0) + times.user + times.system
+        return used
+
     def pause(self) -> None:
         """SIGSTOP the server's whole process group."""
         assert self.proc is not None

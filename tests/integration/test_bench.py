@@ -66,4 +66,6 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
     assert data["counters"]["stock"]["vllm:iteration_tokens_total_count"] > 0
     assert not [k for k in data["counters"]["stock"] if k.startswith("vlguard_")]
     assert "vlguard_deepstack_padded_reads_total" in data["counters"]["vlguard"]
+    for side in ("vlguard", "stock"):  # both API processes and engine cores did measurable work
+        assert data["cpu_ms_per_request"][side]["api"] > 0 and data["cpu_ms_per_request"][side]["engine_core"] > 0
     _assert_png(tmp_path / "compare-overhead-latency.png")
