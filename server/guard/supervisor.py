@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import gc
 import logging
 import tempfile
 import time
@@ -214,6 +215,10 @@ class Supervisor:
         self._pids = watchdog.engine_core_pids(engine)
         self.generation += 1
         self.last_progress = self.last_output = time.monotonic()
+        if self.generation > 1:  # a restart: freeze the new engine's objects, as the app does at start-up
+            from vllm.utils.gc_utils import freeze_gc_heap
+
+            freeze_gc_heap()
         self._set_state(EngineState.READY)
 
     async def start(self) -> None:
@@ -275,6 +280,7 @@ class Supervisor:
     async def _restart(self) -> None:
         died_at = time.monotonic()
         await self._teardown()
+        gc.unfreeze()  # the dead engine's objects were frozen with the startup heap: let the collector have them
         self._set_state(EngineState.RESTARTING)
         failures = 0
         while True:
