@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 #: name -> modules that may define it, newest vLLM first.
@@ -55,17 +54,6 @@ def _missing(exc: ModuleNotFoundError, module: str) -> bool:
     return exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
 
 
-def _import_if_present(module: str) -> ModuleType | None:
-    """``module`` imported, or None when it (or a parent package) does not exist in this vLLM. A module
-    that exists but fails on one of its own imports raises: that is a broken install, not another version."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if _missing(exc, module):
-            return None
-        raise
-
-
 def source_of(name: str) -> str:
     """The module the installed vLLM defines ``name`` in.
 
@@ -74,8 +62,13 @@ def source_of(name: str) -> str:
         ImportError: no known location defines it (an unsupported vLLM version).
     """
     for module in MOVED[name]:
-        mod = _import_if_present(module)
-        if mod is not None and hasattr(mod, name):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if _missing(exc, module):
+                continue
+            raise
+        if hasattr(mod, name):
             return module
     raise ImportError(f"vLLM defines {name} in none of {', '.join(MOVED[name])}: unsupported vLLM version")
 
@@ -103,9 +96,14 @@ def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]])
         ImportError: no known location defines the chooser (an unsupported vLLM version).
     """
     for module, owner in CACHE_TYPE_CHOOSERS:
-        mod = _import_if_present(module)
-        target: Any = getattr(mod, owner, None) if owner else mod
-        if target is not None and hasattr(target, "_get_cache_type"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if _missing(exc, module):
+                continue
+            raise
+        target: Any = getattr(mod, owner) if owner else mod
+        if hasattr(target, "_get_cache_type"):
             target._get_cache_type = wrap(target._get_cache_type)
             return ".".join(filter(None, (module, owner, "_get_cache_type")))
     raise ImportError("vLLM's multimodal cache type chooser was not found: unsupported vLLM version")
