@@ -46,11 +46,12 @@ def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[
 
     - ``additional_config`` gains vlguard's compile-cache key when patches are on;
     - ``scheduler_cls`` is vlguard's aligned scheduler when alignment is on (unless the user gave one);
-
-    vLLM's multimodal processor cache is left as configured: :mod:`server.guard.replay_cache` (installed by
-    :func:`run`) makes it one that replays survive.
+    - ``mm_processor_cache_gb`` is 0: replays re-submit already processed inputs to a new engine core,
+      which holds no cached images, and the API-side processor cache would have stripped the image data
+      from them (vLLM's "Expected a cached item for mm_hash" assertion). The engine core's encoder cache
+      still saves the vision encoder's work.
     """
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"mm_processor_cache_gb": 0}
     if settings.alignment:
         custom = getattr(args, "scheduler_cls", None)
         if custom in (None, SCHEDULER_CLS):
@@ -74,7 +75,7 @@ def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngin
 
 
 #: vlguard's vLLM general plugins (entry points in pyproject.toml).
-VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal", "vlguard_replay_cache")
+VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal")
 
 
 def plugin_allowlist(value: str | None) -> str | None:
@@ -97,7 +98,6 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
-    from server.guard import replay_cache
     from server.guard.fatal import ENV as FATAL_ENV
     from server.guard.supervisor import EngineState, Supervisor
 
@@ -110,14 +110,6 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         os.environ["VLLM_PLUGINS"] = allowed
     if settings.alignment_max_capture_size:
         os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
-    # Replays need the processor cache in its API-side-only form: here (where the cache that matters
-    # lives) and, through the plugin, in the engine processes (no duplicate engine-side copy).
-    os.environ[replay_cache.ENV] = "1"
-    try:
-        logger.info("replay-safe processor cache: %s wrapped", replay_cache.install())
-    except ImportError:
-        logger.warning("vLLM's processor cache chooser not found: processor cache off, so replays stay safe")
-        args.mm_processor_cache_gb = 0
     set_ulimit()
 
     state_dir = tempfile.mkdtemp(prefix="vlguard-state-")

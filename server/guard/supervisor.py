@@ -266,7 +266,7 @@ class Supervisor:
         killed = await asyncio.to_thread(watchdog.kill_tree, pids)  # a stopped or hung core cannot exit cleanly
         if engine is not None:
             # vLLM's serving classes keep the first engine's renderer (tokenizer, chat template, multimodal
-            # processor and its replay-safe processor cache: API-side only). AsyncLLM's
+            # processor: API-side only, no engine-core state with the processor cache off). AsyncLLM's
             # shutdown(), which its __del__ also runs, would stop that renderer's executors under them.
             if engine.renderer is self._serving_renderer:
                 engine.renderer = None  # type: ignore[assignment]  # detach; AsyncLLM.shutdown skips None

@@ -197,16 +197,11 @@ async def test_kill_engine_core_with_32_requests_in_flight(guarded: ServerProces
     limits = httpx.Limits(max_connections=64)
     try:
         async with httpx.AsyncClient(base_url=guarded.url, timeout=600, limits=limits) as client:
-            # The photo enters vLLM's processor cache first, so the 16 image requests below are cache hits:
-            # their replays on the new engine core need the image data the cache kept (server.guard.replay_cache).
-            assert (await _chat(client, {**body(1, stream=False), "max_tokens": 1}))[0] == 200
-            hits_before = metric(guarded, "vllm:mm_cache_hits_total")
             tasks = [asyncio.create_task(_chat(client, body(i, stream=i >= 16))) for i in range(32)]
             deadline = time.monotonic() + 120
             while metric(guarded, "vlguard_requests_inflight") < 32:  # all 32 inside the engine
                 assert time.monotonic() < deadline, "32 requests never were in the engine at once"
                 await asyncio.sleep(0.1)
-            wait_until(lambda: metric(guarded, "vllm:mm_cache_hits_total") >= hits_before + 16, 60, "16 cache hits")
             old_core.send_signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
         wait_until(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready again")

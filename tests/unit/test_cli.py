@@ -38,7 +38,7 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["max_num_seqs"] == 40
     assert engine["seed"] == 0
     assert cfg["guard"]["patches"] is True
-    assert engine["mm_processor_cache_gb"] > 0  # left on: vlguard makes it replay-safe instead of off
+    assert engine["mm_processor_cache_gb"] == 0  # vlguard's override is shown, as it will be applied
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
 
 
