@@ -224,17 +224,21 @@ async def test_kill_engine_core_with_32_requests_in_flight(guarded: ServerProces
 
 
 def test_interrupted_greedy_stream_is_token_identical(guarded: ServerProcess, model_name: str) -> None:
-    n_tokens = 256  # long enough that the stream is certainly still running when the engine is killed
+    # The stream must still be running when the engine is killed: 1024 tokens, and the engine core is looked
+    # up before the stream starts (the lookup waits while an earlier test's core is reaped; in CI that wait
+    # once outlasted a 256-token stream, so nothing was in flight at the kill).
+    n_tokens = 1024
     messages = [{"role": "user", "content": "Describe every hazard on a building site in detail."}]
     reference, error = stream_tokens(guarded, model_name, messages, n_tokens)
     assert error is None and len(reference) == n_tokens
     deaths = metric(guarded, "vlguard_engine_deaths_total")
     resumed = metric(guarded, "vlguard_requests_resumed_total")
+    core = engine_core(guarded)
     got_some = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
         assert got_some.wait(60)
-        engine_core(guarded).send_signal(signal.SIGKILL)
+        core.send_signal(signal.SIGKILL)
         ids, error = future.result()
     assert error is None
     assert ids == reference
