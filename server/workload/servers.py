@@ -29,6 +29,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _label(proc: psutil.Process) -> str:
+    """A process's command line and name (vLLM retitles its processes ``VLLM::EngineCore`` etc.)."""
+    return " ".join(proc.cmdline()) + " " + proc.name()
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     """The environment for a CPU engine: 1 GiB KV cache (unless set), no usage stats, plus ``extra``."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -134,7 +139,7 @@ class ServerProcess:
         """The ``VLLM::EngineCore`` child process. Raises ``LookupError`` when there is none."""
         for child in self.children():
             try:
-                if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                if "EngineCore" in _label(child):
                     return child
             except psutil.NoSuchProcess:
                 continue
@@ -151,7 +156,7 @@ class ServerProcess:
             return used
         for proc in procs:
             try:
-                label = " ".join(proc.cmdline()) + proc.name()
+                label = _label(proc)
                 times = proc.cpu_times()
             except psutil.NoSuchProcess:
                 continue
