@@ -18,10 +18,11 @@ from typing import Any, cast
 from fastapi import FastAPI
 
 from server import __version__
+from server.api.admin import router as admin_router
+from server.api.admission import AdmissionMiddleware
 from server.api.errors import install_error_handlers
 from server.api.health import router as health_router
 from server.api.input_guard import InputGuardMiddleware
-from server.guard.admission import AdmissionMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import Supervisor
 from server.guard.systemd import Notifier
@@ -126,6 +127,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.args = args
     app.root_path = args.root_path
     app.include_router(health_router)
+    app.include_router(admin_router)
     _attach_openai_routes(app)
     # Starlette puts each added middleware in front: on the way in, API key, CORS (as vllm serve), input
     # guard (limits, media), admission (engine ready).

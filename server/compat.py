@@ -70,3 +70,18 @@ def source_of(name: str) -> str:
 def vllm_symbol(name: str) -> Any:
     """The installed vLLM's ``name`` (a class or function of :data:`MOVED`). Raises as :func:`source_of`."""
     return getattr(importlib.import_module(source_of(name)), name)
+
+
+def build_renderer_and_input_processor(vllm_config: Any) -> tuple[Any, Any]:
+    """The API-side objects ``AsyncLLM`` builds for ``vllm_config``: the renderer (tokenizer, chat
+    template, multimodal processor) and the input processor. Used to serve vLLM's real front end over
+    an engine other than ``AsyncLLM`` (the tests' fake engine core).
+
+    Raises:
+        ImportError: an unsupported vLLM version.
+    """
+    from vllm.renderers import renderer_from_config
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    renderer = renderer_from_config(vllm_config)
+    return renderer, InputProcessor(vllm_config, renderer)

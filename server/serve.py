@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
-import shutil
+import signal
 import tempfile
+from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
+
 from server.alignment import MAX_CAPTURE_ENV, SCHEDULER_CLS
+from server.guard import parent_watch
 from server.settings import GuardSettings
 
 if TYPE_CHECKING:
@@ -75,7 +81,7 @@ def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngin
 
 
 #: vlguard's vLLM general plugins (entry points in pyproject.toml).
-VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal")
+VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal", "vlguard_parent_watch")
 
 
 def plugin_allowlist(value: str | None) -> str | None:
@@ -87,19 +93,35 @@ def plugin_allowlist(value: str | None) -> str | None:
     return ",".join(dict.fromkeys([*names, *VLGUARD_PLUGINS]))
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server that also tells the supervisor at once when SIGTERM/SIGINT arrives (uvicorn itself
+    looks at its exit flag only once the application has started, which can take minutes)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_signal = on_signal
+        self.signals: list[int] = []
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.signals.append(sig)
+        super().handle_exit(sig, frame)
+        self.on_signal()  # only schedules work on the event loop: safe in a signal handler
+
+
 def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     """Serve until SIGINT/SIGTERM.
 
     Returns:
-        The process exit status: 0 after a clean shutdown, non-zero when the engine never came up.
+        The exit status when the server stopped on its own: 3 when the engine never came up, 4 when it
+        could not be restarted, 0 otherwise. A SIGTERM/SIGINT does not return: after the shutdown the
+        process ends by that signal (status 143 / 130), as uvicorn does.
     """
-    import uvicorn
     import vllm.envs as envs
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
     from server.guard.fatal import ENV as FATAL_ENV
-    from server.guard.supervisor import EngineState, Supervisor
+    from server.guard.supervisor import EngineState, Supervisor, build_async_llm
 
     _configure_logging()
     # The patch plugin runs in every vLLM process; spawned engine processes inherit this. It must be set
@@ -112,9 +134,15 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
     set_ulimit()
 
+    # Engine cores record their fatal errors below this (each engine in a directory of its own; the
+    # supervisor removes it at shutdown). Set before vLLM loads its plugins here (building the engine
+    # arguments does), so the recorder is installed in this process too: a forked engine core inherits it
+    # without loading plugins again.
     state_dir = tempfile.mkdtemp(prefix="vlguard-state-")
-    os.environ[FATAL_ENV] = state_dir  # engine cores record their fatal errors here
-    supervisor = Supervisor(engine_args(args, settings), settings, state_dir=state_dir)
+    os.environ[FATAL_ENV] = state_dir
+    parent_watch.enable_for_children()  # engine processes end when this process is gone, however it ends
+    factory = functools.partial(build_async_llm, engine_args(args, settings))
+    supervisor = Supervisor(factory, settings, state_dir=state_dir, reap_children=True)
     app = create_app(args, settings, supervisor)
     config = uvicorn.Config(
         app,
@@ -130,16 +158,21 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # SIGTERM: drain in-flight requests, bounded
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, on_signal=supervisor.request_stop)
 
     def give_up() -> None:
         server.should_exit = True
 
     supervisor.on_failed = give_up
     try:
-        server.run()
-    finally:
-        shutil.rmtree(state_dir, ignore_errors=True)
+        server.run()  # after a signal-initiated shutdown uvicorn re-raises the signal: the process ends here
+    except SystemExit:
+        if not server.signals:
+            raise
+        # A stop requested during start-up ends the start-up with uvicorn's "startup failed" exit;
+        # end as a stop instead, like uvicorn does after a normal shutdown (SIGTERM: status 143).
+    for sig in reversed(server.signals):
+        signal.raise_signal(sig)
     if not server.started:
         logger.error("server did not start (engine state: %s)", supervisor.state.value)
         return EXIT_STARTUP_FAILED

@@ -79,13 +79,19 @@ class GuardSettings(BaseSettings):
     """Times one request may be replayed or resumed on a new engine."""
 
     quarantine_deaths: int = Field(default=2, ge=1)
-    """Engine deaths a request may be in flight for before it is quarantined (refused, never replayed)."""
+    """Engine faults a request may be charged with (it was in the step whose execution raised) before it is
+    quarantined (refused, never replayed). Kills, crashes and hangs of the engine core charge nobody."""
 
     quarantine_size: int = Field(default=4096, ge=1)
     """Fingerprints the quarantine remembers at most (least recently seen are forgotten first)."""
 
     quarantine_ttl: float = Field(default=3600.0, gt=0)
-    """Seconds after its last death that a fingerprint is forgotten."""
+    """Seconds after its last strike that a fingerprint is forgotten."""
+
+    probation_drain_timeout: float = Field(default=30.0, ge=0)
+    """Seconds a request on probation (a strike on its record) waits for the requests already in the engine
+    to finish so that it runs alone; past it, it runs beside them. New requests wait while its first step
+    runs."""
 
     hang_timeout: float = Field(default=60.0, gt=0)
     """Seconds of no engine output while requests are pending before the engine counts as hung."""
@@ -99,6 +105,10 @@ class GuardSettings(BaseSettings):
 
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds SIGTERM waits for in-flight requests before the engine is stopped."""
+
+    shutdown_timeout: float = Field(default=15.0, gt=0)
+    """Seconds the engine's own shutdown (and an engine build still in progress) may take at exit before
+    vlguard kills the engine's processes."""
 
 
 def settings_from_flags(flags: dict[str, str]) -> GuardSettings:

@@ -17,8 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.guard.quarantine import QuarantinedRequestError
-from server.guard.supervisor import EngineUnavailableError
+from server.guard.errors import GuardError
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +67,6 @@ async def _on_http(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
-async def _on_quarantined(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(HTTPStatus.BAD_REQUEST, str(exc))
-
-
 def unavailable_response(exc: Exception) -> JSONResponse:
     """503 + ``Retry-After`` in the OpenAI envelope: the engine is starting, restarting or gone."""
     return error_response(
@@ -79,7 +74,20 @@ def unavailable_response(exc: Exception) -> JSONResponse:
     )
 
 
-async def _on_unavailable(_: Request, exc: Exception) -> JSONResponse:
+def guard_error_response(exc: GuardError) -> JSONResponse:
+    """The response a guard exception states: its ``status``, ``Retry-After`` when it asks for one."""
+    if exc.status == HTTPStatus.SERVICE_UNAVAILABLE:
+        return unavailable_response(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retry_after else None
+    return error_response(exc.status, str(exc), headers=headers)
+
+
+async def _on_guard(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GuardError)
+    return guard_error_response(exc)
+
+
+async def _on_engine_dead(_: Request, exc: Exception) -> JSONResponse:
     return unavailable_response(exc)
 
 
@@ -101,8 +109,8 @@ def install_error_handlers(app: FastAPI) -> None:
     |---|---|
     | ``RequestValidationError`` (bad JSON, missing or wrong fields) | 400 |
     | ``HTTPException`` | its own |
-    | ``QuarantinedRequestError`` (poison request) | 400 |
-    | ``EngineUnavailableError``, vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
+    | ``GuardError`` (``server.guard.errors``) | its ``status``: quarantined 400, unavailable 503 + ``Retry-After`` |
+    | vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
     | ``VLLMValidationError``, ``ValueError``, ``TypeError`` (bad input) | 400 |
     | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
     """
@@ -110,7 +118,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
-    app.add_exception_handler(QuarantinedRequestError, _on_quarantined)
-    app.add_exception_handler(EngineUnavailableError, _on_unavailable)
-    app.add_exception_handler(EngineDeadError, _on_unavailable)
+    app.add_exception_handler(GuardError, _on_guard)
+    app.add_exception_handler(EngineDeadError, _on_engine_dead)
     app.add_exception_handler(Exception, _on_other)

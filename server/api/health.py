@@ -55,10 +55,11 @@ async def version() -> JSONResponse:
 
 
 @router.get("/metrics")
-async def metrics() -> Response:
+async def metrics(supervisor: SupervisorDep) -> Response:
     """Prometheus text: vLLM's ``vllm:*`` series and vlguard's ``vlguard_*`` series from every process."""
     from server.metrics import definitions as m
 
     m.API_TASKS.set(len(asyncio.all_tasks()))  # a leak shows as a count that only grows
+    m.QUARANTINED.set(supervisor.quarantine.quarantined_count())  # also after TTL expiry or eviction
     body, content_type = render_latest()
     return Response(body, media_type=content_type)

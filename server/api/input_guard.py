@@ -24,10 +24,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.admission import GENERATION_PATHS
 from server.api.errors import RETRY_AFTER_S, error_response
 from server.api.media import MediaError, MediaLimits, check_media
 from server.api.remote_media import RemotePolicy, inline_remote_media
-from server.guard.admission import GENERATION_PATHS
 from server.metrics import definitions as m
 from server.settings import GuardSettings
 

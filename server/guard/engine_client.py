@@ -9,22 +9,21 @@ current. When the engine dies under a request:
 * a stream that already sent tokens is **resumed**: the new engine continues from the prompt plus the
   tokens already sent, with ``max_tokens`` lowered by as many, so the client's stream goes on without a
   gap or a duplicate (greedy streams are token-identical to uninterrupted ones);
-* a request already in flight at an earlier death runs on probation, alone among such suspects, so the
-  quarantine charges the next death to the poison request, not to innocent requests that shared its batch;
+* a request with a strike (it was in the failing step of an earlier fault) runs on probation, isolated
+  (:mod:`server.guard.inflight`), so its next fault is charged to it alone;
 * where resuming is impossible (``n > 1``, cumulative outputs, a prompt without token ids) or the
   request is quarantined, the error propagates: a stream then ends with an OpenAI error event.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from server.guard.quarantine import QuarantinedRequestError, fingerprint
-from server.guard.supervisor import EngineState, EngineUnavailableError
+from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
+from server.guard.quarantine import fingerprint
+from server.guard.supervisor import EngineState
 from server.metrics import definitions as m
 
 if TYPE_CHECKING:
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
     from server.guard.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
-
-
-class NotResumableError(EngineUnavailableError):
-    """The engine died after tokens were streamed and this request cannot be resumed. HTTP 503."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, reason="not_resumable")
 
 
 def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[Any, Any]:
@@ -105,28 +97,30 @@ class GuardedEngineClient:
             attempt_prompt, attempt_params = prompt, sampling_params
             if sent:
                 attempt_prompt, attempt_params = resume_input(prompt, sampling_params, sent)
-            try:
-                async with self._probation(fp):
-                    if generation != sup.generation:  # the engine died while this request waited
-                        continue
-                    if not sup.inflight:
-                        sup.note_progress(output=False)  # idle -> busy: the hang clock starts now
-                    sup.inflight[request_id] = (fp, generation)
-                    m.REQUESTS_INFLIGHT.set(len(sup.inflight))
-                    async for output in engine.generate(attempt_prompt, attempt_params, request_id, **kwargs):
-                        sup.note_progress()
-                        if sent and original_prompt_ids is not None:
-                            output.prompt_token_ids = original_prompt_ids
-                        if delta and single and output.outputs:
-                            sent.extend(output.outputs[0].token_ids)
-                        yielded = True
-                        yield output
-                    return
-            except EngineDeadError:
-                sup.report_death(generation)
-            finally:
-                sup.inflight.pop(request_id, None)
-                m.REQUESTS_INFLIGHT.set(len(sup.inflight))
+            suspect = sup.quarantine.strikes(fp) > 0
+            if not suspect:
+                await sup.inflight.door()  # a suspect is isolated: wait until its first step passed
+            async with sup.inflight.probation(suspect):
+                if generation != sup.generation:  # the engine died while this request waited
+                    continue
+                if not sup.inflight:
+                    sup.note_progress(output=False)  # idle -> busy: the hang clock starts now
+                # The death is reported while this request is still on the ledger: it was in flight.
+                with sup.inflight.entered(request_id, fp, generation):
+                    try:
+                        async for output in engine.generate(attempt_prompt, attempt_params, request_id, **kwargs):
+                            sup.note_progress()
+                            if suspect:
+                                sup.inflight.suspect_progressed()
+                            if sent and original_prompt_ids is not None:
+                                output.prompt_token_ids = original_prompt_ids
+                            if delta and single and output.outputs:
+                                sent.extend(output.outputs[0].token_ids)
+                            yielded = True
+                            yield output
+                        return
+                    except EngineDeadError:
+                        sup.report_death(generation)
             # The engine died under this request: quarantine, then replay or resume on the next engine.
             self._check_quarantine(fp)
             carries += 1
@@ -141,27 +135,6 @@ class GuardedEngineClient:
                 "request %s (%s) carried to the next engine: %s",
                 request_id, fp, f"resume after {len(sent)} tokens" if sent else "replay",
             )  # fmt: skip
-
-    @contextlib.asynccontextmanager
-    async def _probation(self, fp: str) -> AsyncIterator[None]:
-        """Serialise requests that were already in flight at a death (one suspect in the engine at a time).
-
-        Raises:
-            EngineUnavailableError: the probation slot did not free up within ``hold_timeout``.
-        """
-        sup = self._supervisor
-        if sup.quarantine.strikes(fp) == 0:
-            yield
-            return
-        try:
-            await asyncio.wait_for(sup.probation.acquire(), sup.settings.hold_timeout)
-        except TimeoutError:
-            m.REQUESTS_FAILED.labels(reason="hold_timeout").inc()
-            raise EngineUnavailableError("request waited too long for its probation slot") from None
-        try:
-            yield
-        finally:
-            sup.probation.release()
 
     def _check_quarantine(self, fp: str) -> None:
         try:

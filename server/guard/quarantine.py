@@ -1,8 +1,8 @@
-"""Poison-request quarantine: a request in flight at K engine deaths is never replayed again.
+"""Poison-request quarantine: a request in the failing step of K engine faults is never replayed again.
 
-Innocent requests that merely shared a batch with a poison request must not be quarantined with it, so
-a request with a strike runs on probation: one such request at a time (the engine client serialises
-them), and the next death is charged to it alone among the suspects.
+A fault gives a strike only to the requests of the step whose execution raised (the supervisor decides
+who, :func:`server.guard.supervisor.charged_requests`); a request with a strike runs on probation,
+isolated (:mod:`server.guard.inflight`), so its next fault is its own.
 
 Requests are identified by a fingerprint of what the engine would compute (prompt token ids, image
 hashes, sampling parameters), never by their text: logs and errors carry the fingerprint only.
@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from server.guard.errors import QuarantinedRequestError
 
-class QuarantinedRequestError(ValueError):
-    """The request was in flight at too many engine deaths and is refused. HTTP 400."""
+__all__ = ["Quarantine", "QuarantinedRequestError", "fingerprint"]
 
 
 def fingerprint(prompt: Any, sampling_params: Any) -> str:
@@ -44,12 +44,12 @@ def fingerprint(prompt: Any, sampling_params: Any) -> str:
 
 
 class Quarantine:
-    """Counts engine deaths per fingerprint; bounded in size (LRU) and time (TTL).
+    """Counts strikes per fingerprint; bounded in size (LRU) and time (TTL).
 
     Arguments:
-        deaths: deaths a fingerprint must have been in flight for to be quarantined (K >= 1).
+        deaths: strikes (faults whose failing step held it) that quarantine a fingerprint (K >= 1).
         max_entries: fingerprints remembered at most; the least recently seen are forgotten first.
-        ttl_s: seconds after its last death that a fingerprint is forgotten.
+        ttl_s: seconds after its last strike that a fingerprint is forgotten.
         clock: monotonic clock (injectable for tests).
     """
 
@@ -68,7 +68,7 @@ class Quarantine:
             del self._seen[fp]
 
     def record_death(self, fingerprints: Iterable[str]) -> list[str]:
-        """Count one death for each fingerprint in flight. Returns those that became quarantined."""
+        """Count one strike for each fingerprint charged with a fault. Returns those that became quarantined."""
         self._expire()
         now, newly = self._clock(), []
         for fp in set(fingerprints):
@@ -81,21 +81,41 @@ class Quarantine:
         return sorted(newly)
 
     def strikes(self, fp: str) -> int:
-        """Engine deaths ``fp`` was in flight for (within the TTL)."""
+        """Strikes ``fp`` has (within the TTL)."""
         self._expire()
         entry = self._seen.get(fp)
         return entry[0] if entry is not None else 0
 
     def is_quarantined(self, fp: str) -> bool:
+        """Whether ``fp`` has ``deaths`` strikes within the TTL (it is refused)."""
         self._expire()
         entry = self._seen.get(fp)
         return entry is not None and entry[0] >= self.deaths
+
+    def quarantined_count(self) -> int:
+        """Fingerprints refused now."""
+        self._expire()
+        return sum(1 for count, _ in self._seen.values() if count >= self.deaths)
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """``(fingerprint, strikes, seconds since the last)`` of every fingerprint remembered, most recent last."""
+        self._expire()
+        now = self._clock()
+        return [(fp, count, now - at) for fp, (count, at) in self._seen.items()]
+
+    def clear(self, fp: str | None = None) -> int:
+        """Forget ``fp`` (or every fingerprint): it is served again. Returns how many were forgotten."""
+        if fp is None:
+            n = len(self._seen)
+            self._seen.clear()
+            return n
+        return 1 if self._seen.pop(fp, None) is not None else 0
 
     def check(self, fp: str) -> None:
         """Raises:
         QuarantinedRequestError: ``fp`` is quarantined."""
         if self.is_quarantined(fp):
             raise QuarantinedRequestError(
-                f"Request refused: an identical request was in flight at {self.deaths} engine deaths and is "
+                f"Request refused: an identical request was in the failing step of {self.deaths} engine faults and is "
                 f"quarantined (fingerprint {fp}). Change the request or contact the operator."
             )

@@ -18,14 +18,21 @@ import contextlib
 import enum
 import gc
 import logging
+import os
+import re
+import shutil
 import tempfile
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from server.guard import watchdog
-from server.guard.fatal import read_fatal
+from server.guard import fatal, watchdog
+from server.guard.errors import EngineUnavailableError
+from server.guard.fatal import FatalRecord, read_fatal
+from server.guard.inflight import InflightLedger
 from server.guard.quarantine import Quarantine
 from server.guard.watchdog import DeathCause
 from server.metrics import definitions as m
@@ -34,12 +41,86 @@ from server.settings import GuardSettings
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
+#: The engine the supervisor runs: vLLM's ``AsyncLLM``, or a test's fake with the same surface
+#: (``generate``, ``abort``, ``errored``, ``reset_mm_cache``, ``shutdown``, ``renderer``).
+Engine = Any
+EngineFactory = Callable[[], Engine]
 
-class EngineState(str, enum.Enum):
+__all__ = ["Engine", "EngineFactory", "EngineState", "EngineUnavailableError", "Supervisor", "build_async_llm"]
+
+
+def build_async_llm(engine_args: AsyncEngineArgs) -> Engine:
+    """A new vLLM ``AsyncLLM`` from ``engine_args`` (blocks for the whole model load; run it off the loop)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    return AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        aggregate_engine_logging=engine_args.aggregate_engine_logging,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+
+
+_CHILD_PREFIX = re.compile(r"^\d+_")  # vLLM's ids of an n > 1 request's samples: "<index>_<request id>"
+
+
+def charged_requests(inflight: dict[str, str], record: FatalRecord | None) -> list[str]:
+    """The in-flight request ids a death is charged to: those in the step the engine core recorded as
+    failing. vLLM's engine-side ids are ``<request id>-<8 hex>``, and ``<index>_<request id>-<8 hex>`` for
+    the samples of an ``n > 1`` request.
+
+    Arguments:
+        inflight: request id -> fingerprint of the requests inside the dead engine.
+        record: what its engine core recorded, or None.
+
+    Returns:
+        Sorted request ids; empty without a record (a SIGKILL, segfault or OOM kill of the engine core, or
+        a hang, says nothing about the requests in flight).
+    """
+    if record is None or not record.step_requests:
+        return []
+    in_step = set()
+    for engine_id in record.step_requests:
+        base = engine_id.rsplit("-", 1)[0]
+        in_step |= {engine_id, base, _CHILD_PREFIX.sub("", base)}
+    return sorted(rid for rid in inflight if rid in in_step)
+
+
+def _in_daemon_thread(fn: Callable[[], Engine]) -> asyncio.Future[Engine]:
+    """Run ``fn`` (an engine build) in a daemon thread of its own; its result or exception lands in the
+    returned future. Not the loop's default executor: ``asyncio.run`` waits for those threads at exit, so
+    a build that never returns would hold the process forever."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Engine] = loop.create_future()
+
+    def settle(result: Engine, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="vlguard-engine-build", daemon=True).start()
+    return future
+
+
+class EngineState(enum.StrEnum):
     """Lifecycle state of the supervised engine."""
 
     STARTING = "starting"
@@ -50,52 +131,63 @@ class EngineState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-class EngineUnavailableError(RuntimeError):
-    """No engine is READY within the hold timeout (starting, restarting, failed or stopped). HTTP 503."""
-
-    def __init__(self, message: str, reason: str = "hold_timeout") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
 class Supervisor:
-    """Builds, watches, restarts and shuts down one vLLM ``AsyncLLM`` from fixed engine arguments.
+    """Builds, watches, restarts and shuts down one engine, always built the same way.
 
     Arguments:
-        engine_args: the parsed ``vllm serve`` engine arguments; every (re)build uses these.
+        engine_factory: builds a new engine (blocking; run off the event loop). In production
+            ``functools.partial(build_async_llm, engine_args)``; tests hand in a fake.
         settings: vlguard's own options (restart budget, hold, quarantine, watchdog).
         on_failed: called once when the state becomes FAILED (the server then exits non-zero).
-        state_dir: where engine cores record their fatal errors (see :mod:`server.guard.fatal`).
+        state_dir: where engine cores record their fatal errors (see :mod:`server.guard.fatal`); by
+            default a new temporary directory. The supervisor removes it at shutdown.
+        clock: monotonic seconds (hang clock, readiness, restart window); injectable for tests.
+        sleep: awaited for the restart backoff (seconds); injectable for tests.
+        reap_children: at shutdown, end every process below this one (the engine's, and whatever an
+            unfinished build spawned). For ``vlguard serve``, where the API process has no other
+            children; off where the supervisor shares its process (tests).
     """
 
     def __init__(
         self,
-        engine_args: AsyncEngineArgs,
+        engine_factory: EngineFactory,
         settings: GuardSettings,
         on_failed: Callable[[], None] | None = None,
         state_dir: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        reap_children: bool = False,
     ) -> None:
-        self.engine_args = engine_args
+        self.engine_factory = engine_factory
+        self.reap_children = reap_children
         self.settings = settings
         self.on_failed = on_failed
         self.state_dir = state_dir or tempfile.mkdtemp(prefix="vlguard-state-")
-        self.quarantine = Quarantine(settings.quarantine_deaths, settings.quarantine_size, settings.quarantine_ttl)
+        self.clock = clock
+        self._sleep = sleep
+        self.quarantine = Quarantine(
+            settings.quarantine_deaths, settings.quarantine_size, settings.quarantine_ttl, clock=clock
+        )
         self.generation = 0  # increments with every engine built
         self.state = EngineState.STOPPED
-        self._engine: AsyncLLM | None = None
-        self._latest: AsyncLLM | None = None
+        self._engine: Engine | None = None
+        self._latest: Engine | None = None
         self._serving_renderer: object | None = None
         self._pids: list[int] = []
         self._settled = asyncio.Event()
-        #: One request with an earlier death on its record runs at a time (see the engine client).
-        self.probation = asyncio.Lock()
+        self._changed = asyncio.Event()  # set (and replaced) at every state change
         self._held = 0
         self._restarts: collections.deque[float] = collections.deque()
         self._restart_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        #: request id -> (fingerprint, engine generation) of every request in an engine now.
-        self.inflight: dict[str, tuple[str, int]] = {}
-        self.last_progress = time.monotonic()  # hang clock: last output, or when work arrived at an idle engine
+        self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
+        self._stop_requested = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: True when shutdown had to leave a build behind in its daemon thread (it does not hold the exit).
+        self.abandoned_build = False
+        #: Requests inside an engine now, and the probation slot for suspects.
+        self.inflight = InflightLedger(settings.hold_timeout, settings.probation_drain_timeout)
+        self.last_progress = clock()  # hang clock: last output, or when work arrived at an idle engine
         self.last_output = 0.0  # readiness: real output is as good as a probe
         self.probe_ok_at: float | None = None
         self._set_state(EngineState.STOPPED)
@@ -107,14 +199,22 @@ class Supervisor:
         for s in EngineState:
             m.ENGINE_STATE.labels(state=s.value).set(1 if s is state else 0)
         m.ENGINE_UP.set(1 if state is EngineState.READY else 0)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
         # Waiters wake when the state settles (READY, or FAILED/STOPPED to be refused), not while in between.
         if state in (EngineState.READY, EngineState.FAILED, EngineState.STOPPED):
             self._settled.set()
         else:
             self._settled.clear()
 
+    async def wait_for_state(self, *states: EngineState) -> EngineState:
+        """Wait until the state is one of ``states`` (no timeout: wrap it in one) and return it."""
+        while self.state not in states:
+            await self._changed.wait()
+        return self.state
+
     @property
-    def latest_engine(self) -> AsyncLLM:
+    def latest_engine(self) -> Engine:
         """The most recently built engine, alive or not: for static attributes (configs, renderer) that
         vLLM's serving layer may read while a replacement is being built.
 
@@ -126,7 +226,7 @@ class Supervisor:
         return self._latest
 
     @property
-    def engine(self) -> AsyncLLM:
+    def engine(self) -> Engine:
         """The current engine.
 
         Raises:
@@ -141,13 +241,13 @@ class Supervisor:
         if self.state is not EngineState.READY:
             return False
         last = max(self.probe_ok_at or 0.0, self.last_output)
-        return time.monotonic() - last <= 3 * self.settings.ready_probe_interval
+        return self.clock() - last <= 3 * self.settings.ready_probe_interval
 
     def healthy(self) -> bool:
         """Alive and able to recover (for liveness and the systemd watchdog)."""
         return self.state is not EngineState.FAILED
 
-    async def acquire(self) -> tuple[AsyncLLM, int]:
+    async def acquire(self) -> tuple[Engine, int]:
         """The READY engine and its generation, waiting (bounded) while it starts or restarts.
 
         Raises:
@@ -174,21 +274,7 @@ class Supervisor:
         return await self.acquire()
 
     # -- building ------------------------------------------------------------------------------------
-    def _build(self) -> AsyncLLM:
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = self.engine_args
-        vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        return AsyncLLM.from_vllm_config(
-            vllm_config=vllm_config,
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            enable_log_requests=args.enable_log_requests,
-            aggregate_engine_logging=args.aggregate_engine_logging,
-            disable_log_stats=args.disable_log_stats,
-        )
-
-    async def probe(self, engine: AsyncLLM) -> None:
+    async def probe(self, engine: Engine) -> None:
         """Generate one token from a fixed text prompt (readiness probe).
 
         Raises:
@@ -199,10 +285,23 @@ class Supervisor:
         params = SamplingParams(max_tokens=1, temperature=0)
         async for _ in engine.generate("ping", params, f"vlguard-probe-{time.monotonic_ns()}"):
             pass
-        self.probe_ok_at = time.monotonic()
+        self.probe_ok_at = self.clock()
+
+    def engine_dir(self, generation: int) -> Path:
+        """Where engine ``generation``'s engine core records its fatal error (:mod:`server.guard.fatal`)."""
+        return Path(self.state_dir) / f"engine-{generation}"
 
     async def _bring_up(self) -> None:
-        engine = await asyncio.wait_for(asyncio.to_thread(self._build), self.settings.startup_timeout)
+        fatal_dir = self.engine_dir(self.generation + 1)
+        fatal_dir.mkdir(parents=True, exist_ok=True)
+        os.environ[fatal.ENV] = str(fatal_dir)  # inherited by the engine-core process this build spawns
+        building = self._building = _in_daemon_thread(self.engine_factory)
+        try:
+            # shield: a cancelled wait (shutdown) leaves the build to shutdown(), which ends it
+            engine = await asyncio.wait_for(asyncio.shield(building), self.settings.startup_timeout)
+        finally:
+            if building.done():
+                self._building = None
         try:
             await engine.reset_mm_cache()  # drop the profiling run's dummy images
             await asyncio.wait_for(self.probe(engine), self.settings.startup_timeout)
@@ -214,7 +313,7 @@ class Supervisor:
             self._serving_renderer = engine.renderer
         self._pids = watchdog.engine_core_pids(engine)
         self.generation += 1
-        self.last_progress = self.last_output = time.monotonic()
+        self.last_progress = self.last_output = self.clock()
         if self.generation > 1:  # a restart: freeze the new engine's objects, as the app does at start-up
             from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -228,18 +327,31 @@ class Supervisor:
             Exception: whatever vLLM raised while building (state becomes FAILED).
         """
         self._set_state(EngineState.STARTING)
-        started = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        started = self.clock()
+        bring_up = asyncio.ensure_future(self._bring_up())
+        stop = asyncio.ensure_future(self._stop_requested.wait())
         try:
-            await self._bring_up()
+            await asyncio.wait({bring_up, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not bring_up.done():  # SIGTERM/SIGINT while the first engine loads: do not wait for it
+                bring_up.cancel()
+                self._set_state(EngineState.STOPPED)
+                raise EngineUnavailableError("stop requested during start-up", reason="stopped")
+            bring_up.result()
         except BaseException:
-            self._set_state(EngineState.FAILED)
+            bring_up.cancel()
+            if self.state is not EngineState.STOPPED:
+                self._set_state(EngineState.FAILED)
             raise
-        logger.info("engine ready in %.1f s (generation %d)", time.monotonic() - started, self.generation)
+        finally:
+            stop.cancel()
+        logger.info("engine ready in %.1f s (generation %d)", self.clock() - started, self.generation)
         self._tasks.append(asyncio.create_task(self._watch_forever(), name="vlguard-watchdog"))
 
     # -- death and restart ---------------------------------------------------------------------------
     def report_death(self, generation: int, cause: DeathCause | None = None) -> None:
-        """Declare engine ``generation`` dead (idempotent) and start the restart.
+        """Declare engine ``generation`` dead (idempotent), charge the quarantine where there is evidence,
+        and start the restart.
 
         Arguments:
             generation: the engine generation the caller saw die; stale reports are ignored.
@@ -247,16 +359,24 @@ class Supervisor:
         """
         if generation != self.generation or self.state is not EngineState.READY:
             return
-        if cause is None:
-            cause = watchdog.classify(read_fatal(self.state_dir, self._pids), self._pids)
+        record = read_fatal(self.engine_dir(generation))
+        if cause is None or (record is not None and cause is DeathCause.PROCESS_EXIT):
+            cause = watchdog.classify(record, self._pids)  # an engine core that raised, then exited
         self._set_state(EngineState.DEAD)
         m.ENGINE_DEATHS.labels(cause=cause.value).inc()
-        victims = [fp for fp, gen in self.inflight.values() if gen == generation]
-        for fp in self.quarantine.record_death(victims):
-            logger.error("request %s quarantined: in flight at %d engine deaths", fp, self.quarantine.deaths)
+        inflight = self.inflight.requests(generation)
+        charged = charged_requests(inflight, record)
+        if charged:
+            m.QUARANTINE_STRIKES.labels(evidence="step_exception").inc(len(charged))
+        for fp in self.quarantine.record_death(inflight[rid] for rid in charged):
+            logger.error("request %s quarantined: in the failing step at %d engine faults", fp, self.quarantine.deaths)
+        m.QUARANTINED.set(self.quarantine.quarantined_count())
         logger.error(
-            "engine generation %d died (cause: %s) with %d request(s) in flight; restarting in-process",
-            generation, cause.value, len(victims),
+            "engine generation %d died (cause: %s) with %d request(s) in flight; %s; restarting in-process",
+            generation, cause.value, len(inflight),
+            f"charged to the {len(charged)} request(s) of the failing step: "
+            + ", ".join(sorted({inflight[r] for r in charged}))
+            if charged else "no request charged (no step raised: a kill, crash or hang is no evidence against one)",
         )  # fmt: skip
         self._restart_task = asyncio.create_task(self._restart(), name="vlguard-restart")
 
@@ -269,22 +389,23 @@ class Supervisor:
             # processor: API-side only, no engine-core state with the processor cache off). AsyncLLM's
             # shutdown(), which its __del__ also runs, would stop that renderer's executors under them.
             if engine.renderer is self._serving_renderer:
-                engine.renderer = None  # type: ignore[assignment]  # detach; AsyncLLM.shutdown skips None
+                engine.renderer = None  # detach; AsyncLLM.shutdown skips None
             if (handler := getattr(engine, "output_handler", None)) is not None:
                 handler.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(engine.engine_core.shutdown)
+            if (core := getattr(engine, "engine_core", None)) is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(core.shutdown)
         for pid in killed:
             mark_process_dead(pid)
 
     async def _restart(self) -> None:
-        died_at = time.monotonic()
+        died_at = self.clock()
         await self._teardown()
         gc.unfreeze()  # the dead engine's objects were frozen with the startup heap: let the collector have them
         self._set_state(EngineState.RESTARTING)
         failures = 0
         while True:
-            now = time.monotonic()
+            now = self.clock()
             while self._restarts and now - self._restarts[0] > self.settings.restart_window:
                 self._restarts.popleft()
             if len(self._restarts) >= self.settings.restart_max:
@@ -301,11 +422,11 @@ class Supervisor:
                 failures += 1
                 m.ENGINE_RESTARTS.labels(outcome="failure").inc()
                 logger.exception("engine restart attempt failed (%d)", failures)
-                await asyncio.sleep(self.settings.restart_backoff * 2 ** (failures - 1))  # exponential backoff
+                await self._sleep(self.settings.restart_backoff * 2 ** (failures - 1))  # exponential backoff
                 continue
             m.ENGINE_RESTARTS.labels(outcome="success").inc()
-            m.RESTART_DURATION.observe(time.monotonic() - died_at)
-            logger.info("engine restarted in %.1f s (generation %d)", time.monotonic() - died_at, self.generation)
+            m.RESTART_DURATION.observe(self.clock() - died_at)
+            logger.info("engine restarted in %.1f s (generation %d)", self.clock() - died_at, self.generation)
             return
 
     def _fail(self) -> None:
@@ -327,14 +448,14 @@ class Supervisor:
         engine, generation = self._engine, self.generation
         problem = watchdog.process_problem(self._pids)
         if problem is None and engine.errored:
-            problem = watchdog.classify(read_fatal(self.state_dir, self._pids), self._pids)
-        if problem is None and self.inflight and time.monotonic() - self.last_progress > self.settings.hang_timeout:
+            problem = watchdog.classify(read_fatal(self.engine_dir(generation)), self._pids)
+        if problem is None and self.inflight and self.clock() - self.last_progress > self.settings.hang_timeout:
             problem = DeathCause.HANG
         if problem is not None:
             self.report_death(generation, problem)
             return
         idle = not self.inflight
-        probe_due = time.monotonic() - (self.probe_ok_at or 0.0) > self.settings.ready_probe_interval
+        probe_due = self.clock() - (self.probe_ok_at or 0.0) > self.settings.ready_probe_interval
         if idle and probe_due:
             try:
                 await asyncio.wait_for(self.probe(engine), self.settings.hang_timeout)
@@ -345,22 +466,60 @@ class Supervisor:
     def note_progress(self, output: bool = True) -> None:
         """Restart the hang clock: the engine produced output, or (``output=False``) work arrived at an idle
         engine. Called by the engine client."""
-        self.last_progress = time.monotonic()
+        self.last_progress = self.clock()
         if output:
             self.last_output = self.last_progress
 
     # -- lifetime ------------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """The process was asked to stop (SIGTERM/SIGINT): a first start-up in progress is abandoned.
+        Safe to call from a signal handler (it only schedules work on the supervisor's loop)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop_requested.set)
+
     async def shutdown(self) -> None:
-        """Stop watching and shut the engine down (engine-core and worker processes exit). Idempotent."""
+        """Stop watching and shut the engine down; idempotent, never raises. Each stage is bounded by
+        ``settings.shutdown_timeout`` seconds: the engine's own shutdown; an engine still being built
+        (what it spawned is killed until it gives up; a build that does not is left, ``abandoned_build``,
+        in its daemon thread); with ``reap_children``, every process below this one but multiprocessing's
+        resource tracker (SIGTERM, then SIGKILL). Worst case about three bounds plus 20 s."""
         for task in [*self._tasks, self._restart_task]:
             if task is not None:
                 task.cancel()
         self._tasks.clear()
         engine, self._engine, self._latest = self._engine, None, None
+        bound = self.settings.shutdown_timeout
         if engine is not None:
-            await asyncio.to_thread(engine.shutdown)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(engine.shutdown), bound)
+            except Exception:
+                logger.exception("engine shutdown did not complete cleanly")
+        await self._end_build(bound)
+        if self.reap_children:
+            await asyncio.to_thread(watchdog.end_descendants, bound)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
         if self.state is not EngineState.FAILED:
             self._set_state(EngineState.STOPPED)
+
+    async def _end_build(self, bound_s: float) -> None:
+        """End an engine build still running in its thread: kill what it spawned (with ``reap_children``)
+        until it gives up, then shut down whatever it built. Gives up after ``bound_s`` seconds."""
+        building, self._building = self._building, None
+        if building is None:
+            return
+        loop = asyncio.get_running_loop()  # wall-clock bound: the injectable clock is for the engine's timers
+        deadline = loop.time() + bound_s
+        while not building.done() and loop.time() < deadline:
+            if self.reap_children:
+                await asyncio.to_thread(watchdog.end_descendants, 0.0)  # its handshake with the engine then fails
+            await asyncio.wait({building}, timeout=0.5)
+        if not building.done():
+            logger.error("an engine build did not end within %.0f s of shutdown; leaving it", bound_s)
+            self.abandoned_build = True
+            return
+        if not building.cancelled() and building.exception() is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(building.result().shutdown), bound_s)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Supervisor]:

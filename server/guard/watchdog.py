@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
+if TYPE_CHECKING:
+    from server.guard.fatal import FatalRecord
 
-class DeathCause(str, enum.Enum):
+
+class DeathCause(enum.StrEnum):
     """Why an engine was declared dead (``vlguard_engine_deaths_total{cause}``)."""
 
     DEEPSTACK = "deepstack"  # the deepstack buffer ValueError (stock vLLM 0.20.0 under CUDA graphs)
@@ -70,15 +73,39 @@ def kill_tree(pids: list[int]) -> list[int]:
     return [p.pid for p in procs]
 
 
-def classify(fatal_message: str | None, pids: list[int]) -> DeathCause:
+def end_descendants(grace_s: float) -> list[int]:
+    """End every process below this one: SIGTERM, up to ``grace_s`` seconds to exit, then SIGKILL.
+
+    multiprocessing's resource tracker is left alone: it ignores SIGTERM by design, cleans up leaked
+    shared memory and semaphores once the last holder of its pipe is gone, and then exits by itself.
+
+    Returns:
+        The PIDs that were signalled.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    procs = [p for p in psutil.Process().children(recursive=True) if p.pid != tracker]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+    return [p.pid for p in procs]
+
+
+def classify(record: FatalRecord | None, pids: list[int]) -> DeathCause:
     """The cause of a death vLLM reported (``EngineDeadError``).
 
     Arguments:
-        fatal_message: what the engine core recorded before dying (see :mod:`server.guard.fatal`).
+        record: what the engine core recorded before dying (see :mod:`server.guard.fatal`), or None.
         pids: the engine-core PIDs, to tell a killed process from an exception.
     """
-    if fatal_message and "deepstack" in fatal_message:
+    if record is not None and "deepstack" in record.describe():
         return DeathCause.DEEPSTACK
-    if fatal_message:
+    if record is not None:
         return DeathCause.EXCEPTION
     return process_problem(pids) or DeathCause.PROCESS_EXIT

@@ -115,3 +115,21 @@ REQUESTS_REJECTED = Counter(
 REQUESTS_QUARANTINED = Counter(
     "vlguard_requests_quarantined", "Requests refused because their fingerprint is quarantined."
 )
+QUARANTINE_STRIKES = Counter(
+    "vlguard_quarantine_strikes",
+    "Strikes the quarantine charged to requests, by evidence (step_exception: the request was in the step "
+    "whose execution raised). Kills, crashes and hangs charge nobody.",
+    ["evidence"],
+)
+QUARANTINED = Gauge(
+    "vlguard_quarantine_fingerprints",
+    "Request fingerprints quarantined (refused) now.",
+    multiprocess_mode="mostrecent",
+)
+
+# Labelled counters start at 0 for every known label value, so increase() and rate() see the first event.
+for _cause in ("deepstack", "process_exit", "hang", "exception"):
+    ENGINE_DEATHS.labels(cause=_cause)
+for _outcome in ("success", "failure"):
+    ENGINE_RESTARTS.labels(outcome=_outcome)
+QUARANTINE_STRIKES.labels(evidence="step_exception")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.errors import unavailable_response
-from server.guard.supervisor import EngineState, EngineUnavailableError, Supervisor
+from server.api.errors import guard_error_response
+from server.guard.errors import EngineUnavailableError
+from server.guard.supervisor import EngineState, Supervisor
 from server.metrics import definitions as m
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -37,7 +38,7 @@ class AdmissionMiddleware:
                 await self.supervisor.acquire()
             except EngineUnavailableError as exc:
                 m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
-                response = unavailable_response(exc)
+                response = guard_error_response(exc)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
