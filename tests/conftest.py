@@ -1,5 +1,14 @@
 """Shared fixtures: the tiny model (built once per session) and the real vlguard servers on it that
-integration, deployment and observability tests share (one per session, started on first use)."""
+integration, deployment and observability tests share (one per session, started on first use).
+
+Every real-engine launch costs ~40 s on this machine, so each configuration is launched once:
+
+- ``server``: vlguard as deployed on a GPU (compiled, patches on, CUDA-graph padding emulated); its first
+  request is text-only (CASES C4) and its answer is kept (``first_text``). The OpenAI surface, the
+  deepstack backports under padding (C1), compiled == eager (C3), load, fuzz and bench tests use it.
+- ``eager_server``: ``--enforce-eager`` (patches on, unpadded): the numerical reference, and the
+  server Prometheus scrapes (no padding: a healthy server must raise no alert).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServerProcess, vlguard_argv
+from tests.servers import ServerProcess, SharedServer, engine_env, vlguard_argv
 
 
 @pytest.fixture(scope="session")
@@ -20,12 +29,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """``vlguard serve`` (default: compiled, patches on) on the tiny model, on a free loopback port."""
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer]:
+    """``vlguard serve`` (compiled, patches on) on the tiny model, CUDA-graph padding emulated, on a free
+    loopback port; its first request was text-only (``first_text`` is the answer)."""
+    from openai import OpenAI
+
+    from tests.integration.outputs import TEXT_PROMPT, greedy
+
     log = tmp_path_factory.mktemp("logs") / "vlguard.log"
-    srv = ServerProcess(vlguard_argv(tiny_model), log).start()
+    srv = SharedServer(vlguard_argv(tiny_model), log, env=engine_env(VLGUARD_TEST_EMULATE_PADDING="1")).start()
     try:
         srv.wait_ready()
+        with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            srv.first_text = greedy(client, str(tiny_model), TEXT_PROMPT)
         yield srv
     finally:
         srv.stop()

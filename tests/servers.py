@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from server.workload import servers
 from server.workload.servers import engine_env, free_port, metric_samples, vlguard_command
@@ -13,7 +14,16 @@ from server.workload.servers import engine_env, free_port, metric_samples, vlgua
 REPO = Path(__file__).resolve().parent.parent
 TINY_PROFILE = REPO / "config" / "tiny-cpu.yaml"
 
-__all__ = ["REPO", "TINY_PROFILE", "ServerProcess", "engine_env", "free_port", "metric_samples", "vlguard_argv"]
+__all__ = [
+    "REPO",
+    "TINY_PROFILE",
+    "ServerProcess",
+    "SharedServer",
+    "engine_env",
+    "free_port",
+    "metric_samples",
+    "vlguard_argv",
+]
 
 
 @dataclass
@@ -21,6 +31,13 @@ class ServerProcess(servers.ServerProcess):
     """:class:`server.workload.servers.ServerProcess` started in this checkout."""
 
     cwd: Path | None = REPO
+
+
+@dataclass
+class SharedServer(ServerProcess):
+    """The session's shared server; ``first_text`` is the greedy answer to its first request (text-only)."""
+
+    first_text: Any = None
 
 
 def vlguard_argv(model: Path, *extra: str) -> list[str]:

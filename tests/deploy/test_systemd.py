@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import poll
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, free_port
 
@@ -142,10 +143,8 @@ def test_direct_unit_execstart_notifies_and_stops_on_sigterm(
         notify.wait_for("READY=1", timeout_s=600)
         first = len([m for m in notify.messages if m.startswith("WATCHDOG=1")])
         notify.wait_for("WATCHDOG=1")
-        deadline = time.monotonic() + 10
-        while len([m for m in notify.messages if m.startswith("WATCHDOG=1")]) < first + 2:
-            assert time.monotonic() < deadline, notify.messages
-            time.sleep(0.2)
+        poll(lambda: len([m for m in notify.messages if m.startswith("WATCHDOG=1")]) >= first + 2, 10,
+             "two more watchdog pings")  # fmt: skip
         stop_timeout = float(u["TimeoutStopSec"][0].removesuffix("s"))
         started = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)

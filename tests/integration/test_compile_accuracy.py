@@ -18,7 +18,7 @@ from openai import OpenAI
 from server.patches.deepstack import EMPTY_BUFFER
 from tests.integration.outputs import IMAGE_PROMPTS, TEXT_PROMPT, Greedy, assert_same, greedy
 from tests.lanes import has_defect
-from tests.servers import ServerProcess, vlguard_argv
+from tests.servers import ServerProcess, SharedServer, vlguard_argv
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
@@ -44,12 +44,8 @@ def eager_reference(eager_server: ServerProcess, model_name: str) -> dict[str, G
 
 @pytest.fixture(scope="module")
 def compiled_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
+    """Own launch: patches off and compiled (stock behaviour), a configuration no other test uses."""
     yield from _serve(tiny_model, tmp_path_factory, "compiled-stock", "--guard-patches", "off")
-
-
-@pytest.fixture(scope="module")
-def fresh_compiled_patched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
-    yield from _serve(tiny_model, tmp_path_factory, "compiled-patched")
 
 
 def test_stock_compiled_ignores_image_deepstack(
@@ -68,9 +64,11 @@ def test_stock_compiled_ignores_image_deepstack(
 
 
 def test_patched_compiled_matches_eager_after_text_first(
-    fresh_compiled_patched: OpenAI, eager_reference: dict[str, Greedy], model_name: str
+    server: SharedServer, eager_reference: dict[str, Greedy], model_name: str
 ) -> None:
-    # The server's very first request is text-only (CASES C4), then the image prompts (C3).
-    assert_same(greedy(fresh_compiled_patched, model_name, TEXT_PROMPT), eager_reference["text"])
-    for name, msgs in IMAGE_PROMPTS.items():
-        assert_same(greedy(fresh_compiled_patched, model_name, msgs), eager_reference[name])
+    """The shared server is compiled and patched, its very first request was text-only (CASES C4), then
+    come the image prompts (C3). It also emulates CUDA-graph padding: outputs must still equal eager's."""
+    assert_same(server.first_text, eager_reference["text"])
+    with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        for name, msgs in IMAGE_PROMPTS.items():
+            assert_same(greedy(client, model_name, msgs), eager_reference[name])

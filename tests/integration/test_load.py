@@ -13,6 +13,7 @@ import psutil
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
+from tests.helpers import metric, poll
 from tests.servers import ServerProcess, metric_samples
 
 CLIENTS = 64
@@ -72,14 +73,7 @@ def _tasks(srv: ServerProcess) -> float:
 
 def _settled(srv: ServerProcess, timeout_s: float = 60) -> None:
     """Wait until no request is inside the engine (vlguard_requests_inflight == 0)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = httpx.get(srv.url + "/metrics").text
-        line = next(x for x in text.splitlines() if x.startswith("vlguard_requests_inflight "))
-        if float(line.split()[-1]) == 0:
-            return
-        time.sleep(0.5)  # metrics poll interval
-    raise AssertionError("requests still in flight after the load")
+    poll(lambda: metric(srv, "vlguard_requests_inflight") == 0, timeout_s, "no request in flight after the load", 0.5)
 
 
 def test_64_clients_no_5xx_bounded_memory_no_fd_leak(server: ServerProcess, model_name: str) -> None:

@@ -7,8 +7,9 @@ import pytest
 from openai import OpenAI
 
 from server.patches import KNOWN_PATCHES
-from server.workload.images import photo_uri
+from server.workload.images import data_uri, photo_bytes, photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
+from tests.helpers import chat_body, metric
 from tests.lanes import VLLM_VERSION, expected_patches
 from tests.servers import ServerProcess
 
@@ -101,34 +102,17 @@ def test_metrics_include_vllm_series(server: ServerProcess, openai_client: OpenA
     assert "vllm:num_requests_running" in resp.text
 
 
-def _assert_envelope(resp: httpx.Response, status: int, needle: str) -> None:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert err["code"] == status
-    assert needle in err["message"]
-    assert set(err) >= {"message", "type", "param", "code"}
-
-
-def test_malformed_json_is_400(server: ServerProcess) -> None:
-    resp = httpx.post(
-        server.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+def test_bad_image_is_a_400_and_the_engine_lives_on(server: ServerProcess, model_name: str) -> None:
+    """CASES C8 on the real engine (the whole table runs in-process: tests/api/test_requests.py)."""
+    jpeg = photo_bytes("rocket.jpg")
+    deaths = metric(server, "vlguard_engine_deaths_total")
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                      json=chat_body(model_name, data_uri(jpeg[: len(jpeg) // 3], "image/jpeg")))  # fmt: skip
+    assert resp.status_code == 400 and "truncated" in resp.json()["error"]["message"], resp.text
+    good = httpx.post(
+        server.url + "/v1/chat/completions", json=chat_body(model_name, photo_uri("rocket.jpg")), timeout=120
     )
-    _assert_envelope(resp, 400, "JSON")
-
-
-def test_missing_messages_is_400(server: ServerProcess, model_name: str) -> None:
-    resp = httpx.post(server.url + "/v1/chat/completions", json={"model": model_name})
-    _assert_envelope(resp, 400, "messages")
-    assert resp.json()["error"]["param"] == "messages"
-
-
-def test_negative_max_tokens_is_400(server: ServerProcess, model_name: str) -> None:
-    body = {"model": model_name, "max_tokens": -1, "messages": [{"role": "user", "content": "hi"}]}
-    resp = httpx.post(server.url + "/v1/chat/completions", json=body)
-    _assert_envelope(resp, 400, "max_tokens")
-
-
-def test_unknown_model_is_404(server: ServerProcess) -> None:
-    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
-    resp = httpx.post(server.url + "/v1/chat/completions", json=body)
-    _assert_envelope(resp, 404, "no-such-model")
+    assert good.status_code == 200
+    assert metric(server, "vlguard_engine_deaths_total") == deaths == 0
+    log = server.log_path.read_text()
+    assert "Is anyone wearing a helmet?" not in log and "base64," not in log  # no prompt text or image data logged

@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.metrics import definitions
 from server.workload.images import variant_uri
 from server.workload.twopass import primary_messages, rescue_messages
+from tests.helpers import poll
 from tests.servers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,16 +83,14 @@ class Prometheus:
         self.proc = subprocess.Popen(argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
-                if httpx.get(self.url + "/-/ready", timeout=2).status_code == 200:
-                    return
+                return httpx.get(self.url + "/-/ready", timeout=2).status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.5)  # readiness poll interval
-        raise TimeoutError(self.log.read_text()[-3000:])
+                return False
+
+        poll(ready, timeout_s, "Prometheus to be ready", 0.5)
 
     def query(self, expr: str) -> dict[str, Any]:
         resp = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
@@ -100,14 +98,14 @@ class Prometheus:
         return body
 
     def wait_for(self, expr: str, timeout_s: float = 60) -> list[dict[str, Any]]:
-        """Poll until ``expr`` returns at least one sample."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Poll (at the scrape interval) until ``expr`` returns at least one sample."""
+
+        def samples() -> list[dict[str, Any]]:
             result = self.query(expr)
-            if result["status"] == "success" and result["data"]["result"]:
-                return result["data"]["result"]  # type: ignore[no-any-return]
-            time.sleep(1)  # the scrape interval
-        raise AssertionError(f"no data for {expr}: {self.query(expr)}")
+            return result["data"]["result"] if result["status"] == "success" else []  # type: ignore[no-any-return]
+
+        found: list[dict[str, Any]] = poll(samples, timeout_s, f"data for {expr}", 1.0)
+        return found
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -125,13 +123,16 @@ def _image_traffic(srv: ServerProcess, model: str, images: tuple[str, ...]) -> N
 
 
 @pytest.fixture(scope="module")
-def scraped(server: ServerProcess, model_name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    prom = Prometheus(f"127.0.0.1:{server.port}", tmp_path_factory.mktemp("prometheus"))
+def scraped(
+    eager_server: ServerProcess, model_name: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Prometheus]:
+    """Prometheus scraping the eager server (the padded shared server's padded reads are an alert)."""
+    prom = Prometheus(f"127.0.0.1:{eager_server.port}", tmp_path_factory.mktemp("prometheus"))
     try:
         prom.wait_ready()
         prom.wait_for('up{job="vlguard"} == 1')
         # Traffic after the first scrapes, so rates and increases see it.
-        _image_traffic(server, model_name, ("astronaut.png", "coffee.png"))
+        _image_traffic(eager_server, model_name, ("astronaut.png", "coffee.png"))
         prom.wait_for("vlguard_deepstack_occupancy_ratio_count > 0")
         prom.wait_for("rate(vllm:request_success_total[1m]) > 0")
         yield prom
@@ -139,8 +140,8 @@ def scraped(server: ServerProcess, model_name: str, tmp_path_factory: pytest.Tem
         prom.stop()
 
 
-def test_metrics_endpoint_parses_with_both_families_and_no_duplicates(server: ServerProcess) -> None:
-    names = _family_names(httpx.get(server.url + "/metrics").text)
+def test_metrics_endpoint_parses_with_both_families_and_no_duplicates(eager_server: ServerProcess) -> None:
+    names = _family_names(httpx.get(eager_server.url + "/metrics").text)
     assert any(n.startswith("vllm:") for n in names) and any(n.startswith("vlguard_") for n in names)
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
@@ -156,10 +157,10 @@ def test_every_dashboard_and_rule_expression_evaluates(scraped: Prometheus) -> N
     assert len(exprs) >= 40
 
 
-def test_every_series_the_dashboard_reads_exists(server: ServerProcess) -> None:
+def test_every_series_the_dashboard_reads_exists(eager_server: ServerProcess) -> None:
     """vLLM 0.20's names are checked against a live scrape; vlguard's against its one metrics module
     (labelled vlguard series appear only once their event happened, e.g. a death)."""
-    live = set(_family_names(httpx.get(server.url + "/metrics").text))
+    live = set(_family_names(httpx.get(eager_server.url + "/metrics").text))
     defined = {m._name for m in vars(definitions).values() if hasattr(m, "_name")}
     wanted = set().union(*(metric_names(e) for e in {**dashboard_exprs(), **rule_exprs()}.values()))
     missing_vllm = {n for n in wanted if n.startswith("vllm:") and re.sub(r"_(total|bucket)$", "", n) not in live}

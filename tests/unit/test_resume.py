@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from vllm import SamplingParams
 
-from server.guard.engine_client import NotResumableError, resume_input
+from server.guard.engine_client import resume_input
+from server.guard.errors import NotResumableError
 
 
 def test_resume_appends_sent_tokens_and_lowers_budgets() -> None:

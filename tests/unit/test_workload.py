@@ -137,5 +137,5 @@ def test_bench_arguments_are_validated() -> None:
 
 def test_vlguard_plugins_stay_allowed_when_the_user_restricts_vllm_plugins() -> None:
     assert plugin_allowlist(None) is None  # unset: vLLM loads every installed plugin
-    assert plugin_allowlist("") == "vlguard_patches,vlguard_fatal"
-    assert plugin_allowlist("mine, vlguard_fatal") == "mine,vlguard_fatal,vlguard_patches"
+    assert plugin_allowlist("") == "vlguard_patches,vlguard_fatal,vlguard_parent_watch"
+    assert plugin_allowlist("mine, vlguard_fatal") == "mine,vlguard_fatal,vlguard_patches,vlguard_parent_watch"

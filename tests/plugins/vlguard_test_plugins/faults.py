@@ -4,6 +4,9 @@
 prompt contains that token-id sequence, in the worker process, so the engine core dies exactly as it
 does on a real model error (a poison request).
 
+``VLGUARD_TEST_POISON_EXIT_TOKENS="12,34"``: the same, but the worker process exits at once (``os._exit``)
+instead of raising: a poison input that crashes its process outright (a segfault in a kernel, say).
+
 ``VLGUARD_TEST_FAIL_START_IF=/path``: an engine whose processes start while that file exists fails
 during start-up (plugin loading raises in the engine core), so in-process restarts keep failing.
 """
@@ -15,6 +18,7 @@ import os
 from typing import Any
 
 POISON_ENV = "VLGUARD_TEST_POISON_TOKENS"
+POISON_EXIT_ENV = "VLGUARD_TEST_POISON_EXIT_TOKENS"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
 logger = logging.getLogger("vllm.vlguard.test_faults")
 
@@ -28,10 +32,10 @@ def register() -> None:
     flag = os.environ.get(FAIL_START_ENV)
     if flag and os.path.exists(flag) and "EngineCore" in _process_title():
         raise RuntimeError(f"vlguard test fault: engine start-up fails while {flag} exists")
-    poison = os.environ.get(POISON_ENV)
-    if not poison:
+    raise_on = _needle(POISON_ENV)
+    exit_on = _needle(POISON_EXIT_ENV)
+    if not raise_on and not exit_on:
         return
-    needle = [int(t) for t in poison.split(",")]
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.execute_model
@@ -40,13 +44,22 @@ def register() -> None:
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         for req in getattr(scheduler_output, "scheduled_new_reqs", []):
-            if req.prompt_token_ids and contains(list(req.prompt_token_ids), needle):
+            ids = list(req.prompt_token_ids or [])
+            if exit_on and contains(ids, exit_on):
+                os._exit(13)  # the worker process dies in the middle of the step
+            if raise_on and contains(ids, raise_on):
                 raise RuntimeError("vlguard test fault: poison request reached the model")
         return original(self, scheduler_output, *args, **kwargs)
 
     execute_model.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
-    logger.warning("vlguard test plugin: requests containing tokens %s crash the model", needle)
+    logger.warning("vlguard test plugin: requests containing tokens %s crash the model, %s its process",
+                   raise_on, exit_on)  # fmt: skip
+
+
+def _needle(env: str) -> list[int]:
+    value = os.environ.get(env)
+    return [int(t) for t in value.split(",")] if value else []
 
 
 def _process_title() -> str:

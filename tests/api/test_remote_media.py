@@ -1,20 +1,21 @@
 """Remote image URLs with ``--guard-remote-media on``: vlguard fetches them under its policy (allow-listed
 hosts, public addresses, checked redirects, bounded size and time). A local HTTP server on 127.0.0.1
-(allow-listed by its literal address) plays the media host."""
+(allow-listed by its literal address) plays the media host. In-process: the fetch and its policy are
+vlguard's own, the inlined image then goes through vLLM's real processor."""
 
 from __future__ import annotations
 
 import http.server
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
 from server.workload.images import photo_bytes, photo_uri
-from tests.servers import ServerProcess, engine_env, vlguard_argv
+from tests.helpers import chat_body
+from tests.inprocess import Api
 
 PNG = photo_bytes("astronaut.png")
 TIMEOUT_S = 3
@@ -61,26 +62,24 @@ def media_host() -> Iterator[str]:
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def remote(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    argv = vlguard_argv(tiny_model, "--enforce-eager", "--guard-remote-media", "on",
-                        "--allowed-media-domains", "127.0.0.1", "--guard-remote-media-timeout", str(TIMEOUT_S),
-                        "--guard-max-image-mb", "1")  # fmt: skip
-    srv = ServerProcess(argv, tmp_path_factory.mktemp("logs") / "remote.log", env=engine_env())
-    srv.start().wait_ready()
-    yield srv
-    srv.stop()
+@pytest.fixture
+async def remote(make_api: Callable[..., object]) -> Api:
+    api = await make_api("--guard-remote-media", "on", "--allowed-media-domains", "127.0.0.1",  # type: ignore[misc]
+                         "--guard-remote-media-timeout", str(TIMEOUT_S), "--guard-max-image-mb", "1")  # fmt: skip
+    assert isinstance(api, Api)
+    return api
 
 
-def _chat(srv: ServerProcess, model: str, url: str) -> httpx.Response:
-    content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
-    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+async def _chat(api: Api, url: str) -> httpx.Response:
+    return await api.client.post("/v1/chat/completions", json=chat_body(api.model, url, text="Describe it."))
 
 
-def test_an_allow_listed_image_is_fetched_and_served(remote: ServerProcess, model_name: str, media_host: str) -> None:
-    assert _chat(remote, model_name, media_host + "/ok.png").status_code == 200
-    assert _chat(remote, model_name, media_host + "/redirect-ok").status_code == 200
+async def test_an_allow_listed_image_is_fetched_and_served(remote: Api, media_host: str) -> None:
+    assert (await _chat(remote, media_host + "/ok.png")).status_code == 200
+    fetched = remote.engine.inputs[remote.engine.requests[-1]]["mm_hashes"]
+    assert (await _chat(remote, photo_uri("astronaut.png"))).status_code == 200
+    assert remote.engine.inputs[remote.engine.requests[-1]]["mm_hashes"] == fetched  # the same image, inlined
+    assert (await _chat(remote, media_host + "/redirect-ok")).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -95,17 +94,17 @@ def test_an_allow_listed_image_is_fetched_and_served(remote: ServerProcess, mode
         ("/slow.png", 504, "longer than"),
     ],
 )
-def test_bad_remote_media_is_a_bounded_4xx_or_504(
-    remote: ServerProcess, model_name: str, media_host: str, path: str, status: int, words: str
+async def test_bad_remote_media_is_a_bounded_4xx_or_504(
+    remote: Api, media_host: str, path: str, status: int, words: str
 ) -> None:
     started = time.monotonic()
-    resp = _chat(remote, model_name, media_host + path)
+    resp = await _chat(remote, media_host + path)
     assert resp.status_code == status and words in resp.json()["error"]["message"], resp.text
     assert time.monotonic() - started < TIMEOUT_S + 5
-    assert _chat(remote, model_name, photo_uri("astronaut.png")).status_code == 200
+    assert (await _chat(remote, photo_uri("astronaut.png"))).status_code == 200
 
 
-def test_hosts_outside_the_allow_list_are_refused(remote: ServerProcess, model_name: str, media_host: str) -> None:
+async def test_hosts_outside_the_allow_list_are_refused(remote: Api, media_host: str) -> None:
     port = media_host.rsplit(":", 1)[1]
-    resp = _chat(remote, model_name, f"http://localhost:{port}/ok.png")
+    resp = await _chat(remote, f"http://localhost:{port}/ok.png")
     assert resp.status_code == 400 and "not in --allowed-media-domains" in resp.json()["error"]["message"]

@@ -1,0 +1,170 @@
+"""Liveness, readiness, version, metrics, CORS and what a request meets while the engine is away: held,
+then 503 + Retry-After; a quarantined request's 400; a stream that cannot be resumed ends with an error
+event. In-process over the fake engine, whose death and slowness the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from server.guard.supervisor import EngineState
+from server.guard.watchdog import DeathCause
+from tests.helpers import chat_body
+from tests.inprocess import Api
+
+CHAT = "/v1/chat/completions"
+WAIT_S = 10
+
+
+async def test_health_ready_version_metrics(api: Api) -> None:
+    health = await api.client.get("/health")
+    assert health.status_code == 200 and health.json() == {"status": "alive", "engine": "ready"}
+    ready = await api.client.get("/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    version = (await api.client.get("/version")).json()
+    assert set(version) == {"version", "vllm_version", "patches"}
+    assert set(version["patches"]) >= {"enabled", "active"}
+    metrics = await api.client.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert "vlguard_engine_up" in metrics.text and "vlguard_requests_held" in metrics.text
+
+
+async def test_restarting_engine_holds_requests_then_serves_them(api: Api) -> None:
+    api.factory.gate.clear()  # the next engine "loads" until the test releases it
+    api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.RESTARTING), WAIT_S)
+    ready = await api.client.get("/ready")
+    assert ready.status_code == 503 and ready.headers["Retry-After"].isdigit()
+    health = await api.client.get("/health")
+    assert (
+        health.status_code == 200 and health.json()["engine"] == "restarting"
+    )  # alive: no restart by the orchestrator
+    held = asyncio.create_task(api.client.post(CHAT, json=chat_body(api.model)))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    api.factory.gate.set()
+    resp = await asyncio.wait_for(held, WAIT_S)
+    assert resp.status_code == 200, resp.text
+    assert (await api.client.get("/ready")).status_code == 200
+
+
+async def test_hold_timeout_is_503_with_retry_after_for_streams_too(make_api: Callable[..., object]) -> None:
+    api = await make_api("--guard-hold-timeout", "0.2")  # type: ignore[misc]
+    assert isinstance(api, Api)
+    api.factory.gate.clear()
+    api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.RESTARTING), WAIT_S)
+    for stream in (False, True):
+        resp = await api.client.post(CHAT, json=chat_body(api.model, stream=stream))
+        assert resp.status_code == 503 and resp.headers["Retry-After"].isdigit(), resp.text
+        assert resp.json()["error"]["code"] == 503
+    api.factory.gate.set()
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)
+
+
+async def test_failed_supervisor_fails_liveness(make_api: Callable[..., object]) -> None:
+    api = await make_api("--guard-restart-max", "0")  # type: ignore[misc]
+    assert isinstance(api, Api)
+    api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.FAILED), WAIT_S)
+    health = await api.client.get("/health")
+    assert health.status_code == 503 and health.json() == {"status": "failed", "engine": "failed"}
+    resp = await api.client.post(CHAT, json=chat_body(api.model))
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == 503
+
+
+async def test_engine_death_mid_request_is_invisible(api: Api) -> None:
+    engine = api.engine
+    engine.pause()
+    seen = len(engine.requests)
+    request = asyncio.create_task(api.client.post(CHAT, json=chat_body(api.model, max_tokens=4)))
+    await asyncio.wait_for(engine.wait_for_requests(seen + 1), WAIT_S)
+    engine.die()
+    resp = await asyncio.wait_for(request, WAIT_S)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+    assert api.supervisor.generation == 2
+
+
+async def test_quarantined_request_is_400_in_the_envelope(make_api: Callable[..., object]) -> None:
+    poison_word = "Xylophonequartzmarker"
+    parts_api = await make_api("--guard-quarantine-deaths", "1")  # type: ignore[misc]
+    assert isinstance(parts_api, Api)
+    tokenizer = parts_api.engine.renderer.tokenizer
+    poison = tuple(tokenizer.encode(" " + poison_word, add_special_tokens=False))
+    api = await make_api("--guard-quarantine-deaths", "1", poison=poison)  # type: ignore[misc]
+    assert isinstance(api, Api)
+    body = chat_body(api.model, text=f"Report {poison_word} now.")
+    resp = await api.client.post(CHAT, json=body)
+    assert resp.status_code == 400, resp.text
+    assert "quarantined" in resp.json()["error"]["message"]
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)  # the fault's rebuild
+    again = await api.client.post(CHAT, json=body)
+    assert again.status_code == 400 and api.supervisor.generation == 2  # refused without another death
+    assert (await api.client.post(CHAT, json=chat_body(api.model))).status_code == 200
+
+
+async def test_stream_that_cannot_be_resumed_ends_with_an_error_event(api: Api) -> None:
+    """``n=2`` streams cannot be resumed on a new engine: after tokens were sent, a death ends the stream
+    with an OpenAI error event (the 200 was already sent); a one-choice stream is resumed instead."""
+    api.engine.die_after(3)
+    resp = await api.client.post(CHAT, json=chat_body(api.model, stream=True, n=2, max_tokens=50))
+    assert resp.status_code == 200
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    assert "error" in events[-1] and "cannot be resumed" in str(events[-1]["error"]), events[-1]
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)
+    assert api.supervisor.generation == 2
+    api.engine.die_after(3)
+    resp = await api.client.post(CHAT, json=chat_body(api.model, stream=True, max_tokens=6))
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    assert not any("error" in e for e in events) and resp.text.rstrip().endswith("data: [DONE]")
+    assert api.supervisor.generation == 3
+
+
+async def test_cors_preflight_as_vllm_serve(make_api: Callable[..., object]) -> None:
+    api = await make_api("--allowed-origins", '["https://ui.example"]')  # type: ignore[misc]
+    assert isinstance(api, Api)
+    headers = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+    resp = await api.client.options(CHAT, headers=headers)
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "https://ui.example"
+    other = await api.client.options(CHAT, headers={**headers, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+async def test_operator_lists_and_clears_the_quarantine(make_api: Callable[..., object]) -> None:
+    """#20: a quarantined fingerprint is listed, the gauge counts it, and clearing it serves it again;
+    the admin routes need the API key."""
+    key = {"Authorization": "Bearer k-1"}
+    first = await make_api("--api-key", "k-1")  # type: ignore[misc]
+    assert isinstance(first, Api)
+    poison = tuple(first.engine.renderer.tokenizer.encode(" Xylophonequartzmarker", add_special_tokens=False))
+    api = await make_api("--api-key", "k-1", "--guard-quarantine-deaths", "1", poison=poison)  # type: ignore[misc]
+    assert isinstance(api, Api)
+    body = chat_body(api.model, text="Report Xylophonequartzmarker now.")
+    assert (await api.client.post(CHAT, json=body, headers=key)).status_code == 400
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)  # the fault's rebuild
+    assert (await api.client.get("/admin/quarantine")).status_code == 401
+    listed = (await api.client.get("/admin/quarantine", headers=key)).json()
+    refused = [e for e in listed["entries"] if e["refused"]]
+    assert len(refused) == 1 and refused[0]["strikes"] == 1
+    assert "vlguard_quarantine_fingerprints 1.0" in (await api.client.get("/metrics")).text
+    fp = refused[0]["fingerprint"]
+    assert (await api.client.delete(f"/admin/quarantine/{fp}", headers=key)).json() == {"cleared": 1}
+    assert "vlguard_quarantine_fingerprints 0.0" in (await api.client.get("/metrics")).text
+    api.factory.poison = ()  # the fault is fixed (say, a driver upgrade): the request is served again
+    api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)  # READY -> DEAD at once
+    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)
+    served = await api.client.post(CHAT, json=body, headers=key)
+    assert served.status_code == 200, served.text
+    assert (await api.client.delete("/admin/quarantine", headers=key)).json()["cleared"] >= 0
+
+
+async def test_admin_routes_without_an_api_key_answer_loopback_only(api: Api) -> None:
+    import httpx
+
+    assert (await api.client.get("/admin/quarantine")).status_code == 200  # ASGITransport's client is 127.0.0.1
+    app = api.client._transport.app  # type: ignore[attr-defined]
+    remote = httpx.ASGITransport(app=app, client=("203.0.113.9", 5000))
+    async with httpx.AsyncClient(transport=remote, base_url="http://vlguard.test") as client:
+        resp = await client.delete("/admin/quarantine")
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == 403

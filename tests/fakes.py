@@ -1,0 +1,258 @@
+"""A fake engine for unit tests of vlguard's own logic (supervisor, engine client, HTTP layer).
+
+:class:`FakeEngine` has the surface the supervisor and the engine client use on vLLM's ``AsyncLLM``
+(``generate``, ``abort``, ``errored``, ``reset_mm_cache``, ``shutdown``, ``renderer``) and yields real
+``vllm.outputs.RequestOutput`` objects. The test decides when it dies, hangs or is slow:
+
+* ``die()``: every pending and later ``generate()`` raises vLLM's ``EngineDeadError``, as when the
+  engine core is killed;
+* ``pause()`` / ``resume()``: steps stop (a hang, or a slow engine) until resumed;
+* ``die_after(n)``: the engine dies once it has produced ``n`` more tokens (a death mid-stream);
+* a *poison* token sequence in a prompt kills the engine at that request's first step (a fault tied to
+  one input, like the test fault plugin's ``VLGUARD_TEST_POISON_TOKENS``), and the fake records it the
+  way vLGuard's fatal recorder does in a real engine core: a ``fatal-*.json`` naming the requests of the
+  failing step (every request inside the fake at that moment: its batch) in the directory the supervisor
+  set in ``VLGUARD_STATE_DIR`` before the build. ``die()`` records nothing, like a SIGKILL.
+
+Tokens are a pure function of the token ids so far (greedy and deterministic), so a stream resumed on a
+new engine from the tokens already sent must continue exactly as an uninterrupted one.
+
+:class:`FakeEngineFactory` builds them for the supervisor; the test can make builds fail or block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from collections.abc import AsyncGenerator, Iterable
+from pathlib import Path
+from typing import Any
+
+VOCAB = 1000
+
+
+def next_token(ids: list[int]) -> int:
+    """The fake model's greedy next token after ``ids``."""
+    return (sum(ids) * 31 + len(ids) * 7) % VOCAB
+
+
+def greedy_tokens(prompt_ids: list[int], n: int) -> list[int]:
+    """What an uninterrupted greedy run of ``n`` tokens gives."""
+    ids, out = list(prompt_ids), []
+    for _ in range(n):
+        out.append(next_token(ids))
+        ids.append(out[-1])
+    return out
+
+
+class FakeEngine:
+    """One engine life. Build it through :class:`FakeEngineFactory` (or directly in a running loop).
+
+    Arguments:
+        generation: which build this is (1 for the first).
+        poison: a token id sequence that kills the engine at the first step of a request whose prompt
+            holds it (contiguous); empty: no poison.
+        renderer: what ``engine.renderer`` returns (the serving layer's tokenizer and processor owner).
+        extra: further attributes (``model_config``, ``input_processor``, ...) the serving layer reads.
+    """
+
+    def __init__(
+        self,
+        generation: int = 1,
+        poison: Iterable[int] = (),
+        renderer: object | None = None,
+        fatal_dir: str | None = None,
+        **extra: Any,
+    ) -> None:
+        self.generation = generation
+        self.fatal_dir = fatal_dir
+        self.active: set[str] = set()  # request ids inside generate() now: the fake's batch
+        self.poison = tuple(poison)
+        self._tokens_left: int | None = None  # die_after()
+        self.renderer = renderer if renderer is not None else object()
+        self.errored = False
+        self.shut_down = False
+        self.requests: list[str] = []  # request ids, in the order generate() was called
+        self.prompts: dict[str, list[int]] = {}  # request id -> prompt token ids as submitted
+        self.inputs: dict[str, Any] = {}  # request id -> the engine input as submitted
+        self.aborted: list[str] = []
+        self.mm_cache_resets = 0
+        self._running = asyncio.Event()
+        self._running.set()
+        self._dead = asyncio.Event()
+        self._arrived = asyncio.Event()  # replaced at every generate() call
+        self.engine_core = _FakeEngineCore(self)
+        for name, value in extra.items():
+            setattr(self, name, value)
+
+    # -- what the test controls ----------------------------------------------------------------------
+    def die(self) -> None:
+        """The engine dies: pending and later ``generate()`` calls raise ``EngineDeadError``."""
+        self.errored = True
+        self._dead.set()
+
+    def die_after(self, tokens: int) -> None:
+        """Die once ``tokens`` more tokens have been produced (by any request)."""
+        self._tokens_left = tokens
+
+    def _poisoned(self, ids: list[int]) -> bool:
+        n = len(self.poison)
+        return n > 0 and any(tuple(ids[i : i + n]) == self.poison for i in range(len(ids) - n + 1))
+
+    def pause(self) -> None:
+        """Stop producing output (a hung or very slow engine) until :meth:`resume`."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    async def wait_for_requests(self, n: int) -> None:
+        """Wait until ``generate()`` was called ``n`` times (probes included)."""
+        while len(self.requests) < n:
+            arrived = self._arrived
+            await arrived.wait()
+
+    # -- the engine surface --------------------------------------------------------------------------
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncGenerator[Any, None]:
+        """Yield one ``RequestOutput`` per token (delta or cumulative, as ``sampling_params`` asks).
+
+        Raises:
+            EngineDeadError: the engine died before or while serving this request.
+        """
+        ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else [len(str(prompt))]
+        self.inputs[request_id] = prompt
+        self.active.add(request_id)
+        try:
+            async for output in self._generate(ids, sampling_params, request_id):
+                yield output
+        finally:
+            self.active.discard(request_id)
+
+    def _record_step_exception(self, type_name: str, message: str) -> None:
+        """What a real engine core's fatal recorder writes when a step raises (engine-side ids carry a suffix)."""
+        if self.fatal_dir is None:
+            return
+        step = sorted(f"{rid}-fake0000" for rid in self.active)
+        record = {"type": type_name, "message": message, "step_requests": step, "new_requests": step}
+        (Path(self.fatal_dir) / f"fatal-{self.generation}.json").write_text(json.dumps(record))
+
+    async def _generate(self, ids: list[int], sampling_params: Any, request_id: str) -> AsyncGenerator[Any, None]:
+        from vllm.outputs import CompletionOutput, RequestOutput
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self.requests.append(request_id)
+        self.prompts[request_id] = ids
+        arrived, self._arrived = self._arrived, asyncio.Event()
+        arrived.set()
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        max_tokens = sampling_params.max_tokens or 16
+        out: list[int] = []
+        for step in range(max_tokens):
+            await self._step()
+            if self._dead.is_set():
+                raise EngineDeadError()
+            if step == 0 and self._poisoned(ids):
+                self._record_step_exception("RuntimeError", "vlguard test fault: poison request reached the model")
+                self.die()
+                raise EngineDeadError()
+            if self._tokens_left is not None:
+                if self._tokens_left == 0:
+                    self.die()
+                    raise EngineDeadError()
+                self._tokens_left -= 1
+            out.append(next_token(ids + out))
+            finished = len(out) == max_tokens
+            new = out[-1:] if delta else list(out)
+            completion = CompletionOutput(
+                index=0,
+                text="".join(f" t{t}" for t in new),
+                token_ids=new,
+                cumulative_logprob=None,
+                logprobs=None,
+                finish_reason="length" if finished else None,
+            )
+            yield RequestOutput(
+                request_id=request_id,
+                prompt=None,
+                prompt_token_ids=ids,
+                prompt_logprobs=None,
+                outputs=[completion],
+                finished=finished,
+            )
+
+    async def _step(self) -> None:
+        if not self._running.is_set() and not self._dead.is_set():
+            waits = [asyncio.ensure_future(self._running.wait()), asyncio.ensure_future(self._dead.wait())]
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+        await asyncio.sleep(0)  # let other requests step too
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """vLLM >= 0.32 asks the engine client before rendering; the fake admits everything."""
+
+    async def reset_mm_cache(self) -> None:
+        self.mm_cache_resets += 1
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+        self.die()
+
+
+class _FakeEngineCore:
+    """``engine.engine_core``: what the supervisor shuts down when it tears a dead or hung engine down."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+
+    def shutdown(self) -> None:
+        self._engine.shut_down = True
+        self._engine.die()
+
+
+class FakeEngineFactory:
+    """Builds :class:`FakeEngine` s for a supervisor (called off the event loop, like the real build).
+
+    Arguments:
+        poison: passed to every engine.
+        fail: how many of the next builds raise ``RuntimeError`` (a start-up that keeps failing).
+        engine_kwargs: more arguments for every :class:`FakeEngine`.
+    """
+
+    def __init__(self, poison: Iterable[int] = (), fail: int = 0, **engine_kwargs: Any) -> None:
+        self.poison = tuple(poison)
+        self.fail = fail
+        self.engine_kwargs = engine_kwargs
+        self.engines: list[FakeEngine] = []
+        self.attempts = 0
+        #: Cleared: builds block until the test sets it (an engine that is still loading).
+        self.gate = threading.Event()
+        self.gate.set()
+        self.building = threading.Event()  # set while a build waits at the gate
+
+    def __call__(self) -> FakeEngine:
+        self.attempts += 1
+        self.building.set()
+        try:
+            self.gate.wait(60)
+        finally:
+            self.building.clear()
+        if self.fail > 0:
+            self.fail -= 1
+            raise RuntimeError(f"fake engine build {self.attempts} failed")
+        # The supervisor names this engine's fatal-record directory in the environment before each build.
+        engine = FakeEngine(len(self.engines) + 1, self.poison, fatal_dir=os.environ.get("VLGUARD_STATE_DIR"),
+                            **self.engine_kwargs)  # fmt: skip
+        self.engines.append(engine)
+        return engine
+
+    @property
+    def current(self) -> FakeEngine:
+        """The engine built last."""
+        return self.engines[-1]

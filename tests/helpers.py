@@ -1,0 +1,120 @@
+"""Test helpers used everywhere: polling with a deadline, the engine-core process of a server, metric
+samples, SSE parsing, and request and image builders."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psutil
+from PIL import Image
+
+from server.workload.servers import ServerProcess, metric_samples
+
+__all__ = [
+    "assert_session_ends",
+    "chat_body",
+    "engine_core",
+    "metric",
+    "metric_samples",
+    "png",
+    "poll",
+    "session_processes",
+    "sse_tokens",
+]
+
+
+def poll(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
+    """Call ``predicate`` until it returns something truthy, and return that.
+
+    Raises:
+        AssertionError: ``timeout_s`` seconds passed first (the message names ``what``).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline()) + " " + proc.name() if proc.status() != psutil.STATUS_ZOMBIE else ""
+    except psutil.Error:  # gone while we looked
+        return ""
+
+
+def engine_core(srv: ServerProcess, timeout_s: float = 30) -> psutil.Process:
+    """The server's one live ``VLLM::EngineCore`` process (waits while a replaced one is still being reaped)."""
+
+    def one() -> psutil.Process | None:
+        cores = [p for p in srv.children() if "EngineCore" in _cmdline(p)]
+        return cores[0] if len(cores) == 1 else None
+
+    result: psutil.Process = poll(one, timeout_s, "exactly one engine-core process")
+    return result
+
+
+def metric(srv: ServerProcess, name: str) -> float:
+    """One metric's value on the server's ``/metrics``, summed over its labels (0 when absent)."""
+    return metric_samples(srv.url).get(name, 0.0)
+
+
+def sse_tokens(lines: Iterable[str]) -> tuple[list[int], str | None]:
+    """Token ids from an OpenAI chat stream asked with ``logprobs`` and ``return_tokens_as_token_ids``,
+    and the error event's message (None when the stream ended without one)."""
+    ids: list[int] = []
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            return ids, chunk["error"]["message"]
+        for choice in chunk.get("choices", []):
+            for lp in (choice.get("logprobs") or {}).get("content") or []:
+                ids.append(int(lp["token"].removeprefix("token_id:")))
+    return ids, None
+
+
+def chat_body(model: str, *image_urls: str, text: str = "Is anyone wearing a helmet?", **extra: Any) -> dict[str, Any]:
+    """A chat request: one user turn with ``text`` then the images (image last, as in the two-pass workload)."""
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    content += [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+
+
+def png(width: int, height: int, mode: str = "RGB") -> bytes:
+    """A blank PNG of the given size and Pillow mode."""
+    buf = io.BytesIO()
+    Image.new(mode, (width, height)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Every live (non-zombie) process of session ``sid``: a server started with ``start_new_session`` and
+    everything it spawned, whatever vLLM renamed them to and whoever their parent now is."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (OSError, psutil.Error):  # gone while we looked
+            continue
+    return found
+
+
+def assert_session_ends(sid: int, within_s: float = 10) -> None:
+    """Raises:
+    AssertionError: a process of session ``sid`` is still alive ``within_s`` seconds from now (listed)."""
+    try:
+        poll(lambda: not session_processes(sid), within_s, "every process of the server to end")
+    except AssertionError:
+        left = [(p.pid, p.name(), p.status()) for p in session_processes(sid)]
+        raise AssertionError(f"left {within_s:g} s after exit: {left}") from None

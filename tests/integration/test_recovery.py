@@ -1,0 +1,99 @@
+"""CASES C5 on every engine lane: ``kill -9`` of the real engine core with 32 requests in flight.
+
+It runs on the session's eager server (its engine is rebuilt in place; later tests see a fresh engine with
+the same deterministic outputs), so no engine lane pays a launch of its own for it. The other real faults
+(hang, poison, repeated kills, resumed streams) are in test_guard.py, on the default lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from server.workload.images import photo_uri
+from server.workload.twopass import primary_messages
+from tests.helpers import engine_core, metric, poll, sse_tokens
+from tests.servers import ServerProcess
+
+pytestmark = pytest.mark.lane  # in every engine lane's focused suite
+
+REFUSED = -1
+
+
+def ready_transitions(srv: ServerProcess, stop: threading.Event, seen: list[int]) -> None:
+    """Poll /ready until ``stop``; record each distinct status in order, ``REFUSED`` for a refused connection.
+
+    A keep-alive connection the server closed between two polls is retried, not counted.
+    """
+    with httpx.Client(timeout=30) as client:
+        while not stop.is_set():
+            try:
+                status = client.get(srv.url + "/ready").status_code
+            except httpx.ConnectError:
+                status = REFUSED
+            except httpx.RemoteProtocolError:
+                continue
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            time.sleep(0.1)
+
+
+async def _chat(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[int, list[int], str | None]:
+    """One chat request; for streams, the token ids received and the error event's message, if any."""
+    if not body.get("stream"):
+        resp = await client.post("/v1/chat/completions", json=body)
+        return resp.status_code, [], None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        return resp.status_code, *sse_tokens([line async for line in resp.aiter_lines()])
+
+
+async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerProcess, model_name: str) -> None:
+    image = photo_uri("chelsea.png")
+    deaths_before = metric(eager_server, "vlguard_engine_deaths_total")
+    old_core = engine_core(eager_server)
+    n_tokens = 512
+
+    def body(i: int, stream: bool) -> dict[str, object]:
+        messages = primary_messages(image) if i % 2 else [{"role": "user", "content": f"Safety report {i}."}]
+        extra = {"logprobs": True, "return_tokens_as_token_ids": True} if stream else {}
+        return {"model": model_name, "messages": messages, "max_tokens": n_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": stream, **extra}  # fmt: skip
+
+    stop, seen = threading.Event(), []  # type: ignore[var-annotated]
+    watcher = threading.Thread(target=ready_transitions, args=(eager_server, stop, seen), daemon=True)
+    watcher.start()
+    limits = httpx.Limits(max_connections=64)
+    try:
+        async with httpx.AsyncClient(base_url=eager_server.url, timeout=600, limits=limits) as client:
+            tasks = [asyncio.create_task(_chat(client, body(i, stream=i >= 16))) for i in range(32)]
+            deadline = time.monotonic() + 120
+            while metric(eager_server, "vlguard_requests_inflight") < 32:  # all 32 inside the engine
+                assert time.monotonic() < deadline, "32 requests never were in the engine at once"
+                await asyncio.sleep(0.1)  # metrics poll interval (an async wait: the requests run meanwhile)
+            old_core.send_signal(signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+        poll(lambda: httpx.get(eager_server.url + "/ready").status_code == 200, 300, "ready again")
+    finally:
+        stop.set()
+        watcher.join()
+
+    plain, streams = results[:16], results[16:]
+    assert [status for status, _, _ in plain] == [200] * 16
+    for status, ids, error in streams:
+        assert status == 200
+        assert (error is None and len(ids) == n_tokens) or error is not None, (len(ids), error)
+    assert seen[0] == 200 and 503 in seen and seen[-1] == 200 and REFUSED not in seen, seen
+    assert metric(eager_server, "vlguard_engine_deaths_total") == deaths_before + 1
+    assert metric(eager_server, "vlguard_engine_restarts_total") >= 1
+    carried = metric(eager_server, "vlguard_requests_replayed_total") + metric(
+        eager_server, "vlguard_requests_resumed_total"
+    )
+    assert carried >= 32
+    assert not old_core.is_running() or old_core.status() == psutil.STATUS_ZOMBIE
+    assert engine_core(eager_server).pid != old_core.pid  # exactly one engine core: no orphans

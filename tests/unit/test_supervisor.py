@@ -1,0 +1,373 @@
+"""The supervisor and the engine client on a fake engine: restart budget, backoff, give-up, hold and hold
+timeout, replay and resume, probation and quarantine across deaths, hang detection, the ready probe.
+
+Deterministic: the fake engine dies, hangs or blocks its build when the test says so, the clock is the
+test's, the restart backoff is recorded instead of slept, and every wait is on a state or an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from server.guard.engine_client import GuardedEngineClient
+from server.guard.errors import EngineUnavailableError, QuarantinedRequestError
+from server.guard.supervisor import EngineState, Supervisor
+from server.guard.watchdog import DeathCause
+from server.settings import GuardSettings
+from tests.fakes import FakeEngineFactory, greedy_tokens
+
+POISON = 666
+WAIT_S = 10  # bound on any single wait in this module; nothing here should take more than milliseconds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Guard:
+    """A started supervisor over fake engines, with its engine client, clock and recorded backoffs."""
+
+    def __init__(self, factory: FakeEngineFactory, **settings: Any) -> None:
+        defaults: dict[str, Any] = {"watchdog_interval": 3600, "restart_backoff": 1.0, "hold_timeout": WAIT_S}
+        self.settings = GuardSettings(**{**defaults, **settings})
+        self.factory = factory
+        self.clock = Clock()
+        self.slept: list[float] = []
+        self.failed_calls = 0
+        self.sup = Supervisor(factory, self.settings, on_failed=self._on_failed, clock=self.clock, sleep=self._sleep)
+        self.client = GuardedEngineClient(self.sup)
+
+    def _on_failed(self) -> None:
+        self.failed_calls += 1
+
+    async def _sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    async def state(self, *states: EngineState) -> EngineState:
+        return await asyncio.wait_for(self.sup.wait_for_state(*states), WAIT_S)
+
+    async def collect(
+        self, prompt_ids: list[int], max_tokens: int = 4, stream: bool = False, rid: str = "r"
+    ) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        if stream:
+            params.output_kind = RequestOutputKind.DELTA
+        tokens: list[int] = []
+        prompt = {"prompt_token_ids": prompt_ids}
+        async for out in self.client.generate(prompt, params, rid):
+            tokens = [*tokens, *out.outputs[0].token_ids] if stream else list(out.outputs[0].token_ids)
+        return tokens
+
+
+@pytest.fixture
+async def make_guard() -> AsyncIterator[Callable[..., Any]]:
+    guards: list[Guard] = []
+
+    async def make(factory: FakeEngineFactory | None = None, **settings: Any) -> Guard:
+        g = Guard(factory or FakeEngineFactory(poison=[POISON]), **settings)
+        await g.sup.start()
+        guards.append(g)
+        return g
+
+    yield make
+    for g in guards:
+        await g.sup.shutdown()
+
+
+async def test_start_probes_and_is_ready(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard()
+    assert g.sup.state is EngineState.READY and g.sup.generation == 1
+    engine = g.factory.current
+    assert engine.requests[0].startswith("vlguard-probe-") and engine.mm_cache_resets == 1
+    assert g.sup.is_ready()
+    assert await g.collect([1, 2, 3]) == greedy_tokens([1, 2, 3], 4)
+
+
+async def test_ready_needs_a_recent_probe_or_output(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(ready_probe_interval=10)
+    g.clock.now += 31  # three probe intervals without output
+    assert not g.sup.is_ready()
+    await g.sup._check()  # idle and due: probes
+    assert g.sup.is_ready() and g.sup.state is EngineState.READY
+
+
+async def test_failed_probe_is_a_death(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(ready_probe_interval=10)
+    g.factory.current.die()
+    g.clock.now += 11
+    await g.sup._check()
+    await g.state(EngineState.READY)
+    assert g.sup.generation == 2
+
+
+async def test_request_in_flight_at_a_death_is_replayed_on_the_next_engine(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard()
+    first = g.factory.current
+    first.pause()
+    task = asyncio.create_task(g.collect([5, 6], max_tokens=3))
+    await asyncio.wait_for(first.wait_for_requests(2), WAIT_S)  # probe + this request
+    first.die()
+    assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([5, 6], 3)
+    assert g.sup.generation == 2 and first.shut_down
+    assert g.factory.current.prompts["r"] == [5, 6]  # replayed from scratch: nothing had been sent
+
+
+async def test_stream_is_resumed_token_identical(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard()
+    first = g.factory.current
+    tokens: list[int] = []
+    params = SamplingParams(max_tokens=6, temperature=0)
+    params.output_kind = RequestOutputKind.DELTA
+    async for out in g.client.generate({"prompt_token_ids": [9, 9]}, params, "s"):
+        tokens += out.outputs[0].token_ids
+        if len(tokens) == 2 and g.sup.generation == 1:
+            first.die()  # after two tokens were delivered
+    assert tokens == greedy_tokens([9, 9], 6)
+    resumed = g.factory.current.prompts["s"]
+    assert resumed == [9, 9, *tokens[:2]]  # continued from the prompt plus what was sent
+
+
+async def test_restart_budget_spent_fails_once_and_refuses(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(restart_max=2, restart_window=600)
+    for _ in range(2):
+        g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+        await g.state(EngineState.READY)
+    g.clock.now += 10
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.FAILED)
+    assert g.failed_calls == 1 and not g.sup.healthy()
+    with pytest.raises(EngineUnavailableError) as err:
+        await g.sup.acquire()
+    assert err.value.reason == "engine_failed"
+
+
+async def test_restart_budget_counts_only_the_window(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(restart_max=1, restart_window=60)
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.READY)
+    g.clock.now += 61  # the first restart left the window
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.READY)
+    assert g.sup.generation == 3 and g.failed_calls == 0
+
+
+async def test_failed_builds_back_off_exponentially(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(restart_backoff=0.5, restart_max=10)
+    g.factory.fail = 3
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.READY)
+    assert g.slept == [0.5, 1.0, 2.0] and g.sup.generation == 2
+
+
+async def test_builds_that_keep_failing_exhaust_the_budget(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(restart_max=3)
+    g.factory.fail = 100
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.FAILED)
+    assert g.factory.attempts == 1 + 3 and g.failed_calls == 1
+
+
+async def test_requests_are_held_while_restarting_then_served(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard()
+    g.factory.gate.clear()  # the next build blocks: an engine still loading
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.RESTARTING)
+    task = asyncio.create_task(g.collect([1], max_tokens=2))
+    await asyncio.sleep(0)
+    assert not task.done()
+    g.factory.gate.set()
+    assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([1], 2)
+
+
+async def test_hold_timeout_and_max_held_give_503(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(hold_timeout=0.05, max_held=1)
+    g.factory.gate.clear()
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await g.state(EngineState.RESTARTING)
+    held = asyncio.create_task(g.sup.acquire())
+    await asyncio.sleep(0)
+    with pytest.raises(EngineUnavailableError) as too_many:
+        await g.sup.acquire()
+    assert too_many.value.reason == "too_many_held"
+    with pytest.raises(EngineUnavailableError) as timeout:
+        await held
+    assert timeout.value.reason == "hold_timeout"
+    g.factory.gate.set()
+    await g.state(EngineState.READY)
+
+
+async def test_poison_is_quarantined_and_innocents_are_not(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(quarantine_deaths=2, max_replays=5)
+    poison = asyncio.create_task(g.collect([1, POISON], rid="poison"))
+    innocents = [asyncio.create_task(g.collect([7, i], rid=f"ok{i}")) for i in range(3)]
+    with pytest.raises(QuarantinedRequestError):
+        await asyncio.wait_for(poison, WAIT_S)
+    results = await asyncio.wait_for(asyncio.gather(*innocents), WAIT_S)
+    assert results == [greedy_tokens([7, i], 4) for i in range(3)]
+    assert g.sup.generation == 3  # two deaths, both charged to the poison alone in the end
+    with pytest.raises(QuarantinedRequestError):  # and it is refused from now on, without touching the engine
+        await g.collect([1, POISON], rid="again")
+    assert "again" not in g.factory.current.requests
+
+
+async def test_replay_limit(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(max_replays=1, quarantine_deaths=10)
+    task = asyncio.create_task(g.collect([1, POISON], rid="p"))
+    with pytest.raises(EngineUnavailableError) as err:
+        await asyncio.wait_for(task, WAIT_S)
+    assert err.value.reason == "replay_limit"
+
+
+async def test_hang_is_detected_by_the_clock(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(hang_timeout=60)
+    first = g.factory.current
+    first.pause()
+    task = asyncio.create_task(g.collect([3], max_tokens=2))
+    await asyncio.wait_for(first.wait_for_requests(2), WAIT_S)
+    g.clock.now += 59
+    await g.sup._check()
+    assert g.sup.generation == 1  # not yet
+    g.clock.now += 2
+    await g.sup._check()
+    assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([3], 2)
+    assert g.sup.generation == 2 and first.shut_down
+
+
+async def test_shutdown_stops_the_engine_and_refuses(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard()
+    engine = g.factory.current
+    await g.sup.shutdown()
+    assert engine.shut_down and g.sup.state is EngineState.STOPPED
+    with pytest.raises(EngineUnavailableError):
+        await g.sup.acquire()
+
+
+async def test_first_start_failure_is_failed(make_guard: Callable[..., Any]) -> None:
+    with pytest.raises(RuntimeError):
+        await make_guard(FakeEngineFactory(fail=1))
+
+
+async def test_stop_requested_during_first_startup_does_not_wait_for_the_engine() -> None:
+    factory = FakeEngineFactory()
+    factory.gate.clear()  # the first engine never finishes loading on its own
+    g = Guard(factory, shutdown_timeout=0.2)
+    start = asyncio.create_task(g.sup.start())
+    await asyncio.to_thread(factory.building.wait, WAIT_S)
+    g.sup.request_stop()
+    with pytest.raises(EngineUnavailableError) as err:
+        await asyncio.wait_for(start, WAIT_S)
+    assert err.value.reason == "stopped" and g.sup.state is EngineState.STOPPED
+    await asyncio.wait_for(g.sup.shutdown(), WAIT_S)  # bounded although the build still runs
+    assert g.sup.abandoned_build
+    factory.gate.set()  # let the thread finish
+
+
+async def test_shutdown_during_a_rebuild_shuts_down_what_the_build_produced(make_guard: Callable[..., Any]) -> None:
+    g = await make_guard(shutdown_timeout=WAIT_S)
+    g.factory.gate.clear()
+    g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+    await asyncio.to_thread(g.factory.building.wait, WAIT_S)
+    stopping = asyncio.create_task(g.sup.shutdown())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # waits (bounded) for the build in progress
+    g.factory.gate.set()
+    await asyncio.wait_for(stopping, WAIT_S)
+    assert len(g.factory.engines) == 2 and g.factory.current.shut_down and not g.sup.abandoned_build
+
+
+async def test_external_kills_charge_nobody(make_guard: Callable[..., Any]) -> None:
+    """Identical requests in flight at engine deaths nothing recorded as their fault (SIGKILL, OOM kill,
+    segfault, hang): never quarantined, however often (#20)."""
+    g = await make_guard(quarantine_deaths=2, max_replays=10, restart_max=20)
+    for _ in range(6):
+        engine = g.factory.current
+        engine.pause()
+        seen = len(engine.requests)
+        tasks = [asyncio.create_task(g.collect([4, 2], rid=f"same{i}")) for i in range(3)]  # one fingerprint
+        await asyncio.wait_for(engine.wait_for_requests(seen + 3), WAIT_S)
+        engine.die()  # no fatal record: a kill from outside
+        assert await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S) == [greedy_tokens([4, 2], 4)] * 3
+    assert g.sup.generation == 7
+    assert g.sup.quarantine.entries() == [] and g.sup.quarantine.quarantined_count() == 0
+
+
+async def test_a_step_exception_charges_only_the_requests_of_that_step(make_guard: Callable[..., Any]) -> None:
+    import json
+
+    from server.guard.fatal import FatalRecord
+    from server.guard.supervisor import charged_requests
+
+    g = await make_guard(quarantine_deaths=1)
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    tasks = {rid: asyncio.create_task(g.collect([9, i], rid=rid)) for i, rid in enumerate(["a", "b", "c"])}
+    await asyncio.wait_for(engine.wait_for_requests(seen + 3), WAIT_S)
+    record = {"type": "ValueError", "message": "boom", "step_requests": ["b-0f0f0f0f"], "new_requests": ["b-0f0f0f0f"]}
+    (g.sup.engine_dir(g.sup.generation) / "fatal-1.json").write_text(json.dumps(record))
+    engine.die()
+    with pytest.raises(QuarantinedRequestError):
+        await asyncio.wait_for(tasks["b"], WAIT_S)
+    assert [await asyncio.wait_for(tasks[r], WAIT_S) for r in ("a", "c")] == [
+        greedy_tokens([9, 0], 4),
+        greedy_tokens([9, 2], 4),
+    ]
+    assert g.sup.quarantine.quarantined_count() == 1
+    assert charged_requests({"a": "x", "b-c": "y"}, None) == []  # no record, no charge
+    n2 = FatalRecord("ValueError", "boom", ["0_chatcmpl-9-0f0f0f0f", "1_chatcmpl-9-0f0f0f0f"])
+    assert charged_requests({"chatcmpl-9": "x", "chatcmpl-1": "y"}, n2) == ["chatcmpl-9"]  # n > 1 samples
+    assert g.sup.quarantine.clear() == 1 and g.sup.quarantine.quarantined_count() == 0
+
+
+async def test_a_suspect_runs_alone_and_holds_newcomers_only_during_its_first_step(
+    make_guard: Callable[..., Any],
+) -> None:
+    """#20 probation isolates for real: a suspect waits for the request already inside to finish, runs
+    alone, and a newcomer enters only once the suspect's first step has produced output."""
+    from server.guard.quarantine import fingerprint
+
+    g = await make_guard(probation_drain_timeout=WAIT_S)
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    running = asyncio.create_task(g.collect([1, 1], max_tokens=3, rid="running"))
+    await asyncio.wait_for(engine.wait_for_requests(seen + 1), WAIT_S)
+    suspect_params = SamplingParams(max_tokens=4, temperature=0)
+    g.sup.quarantine.record_death([fingerprint({"prompt_token_ids": [6, 6]}, suspect_params)])  # one strike
+    suspect = asyncio.create_task(g.collect([6, 6], rid="suspect"))
+    await asyncio.sleep(0.05)
+    newcomer = asyncio.create_task(g.collect([2, 2], rid="newcomer"))
+    await asyncio.sleep(0.05)
+    assert engine.requests[seen:] == ["running"]  # the suspect waits for the engine to empty; so does the newcomer
+    engine.resume()
+    results = await asyncio.wait_for(asyncio.gather(running, suspect, newcomer), WAIT_S)
+    assert results == [greedy_tokens([1, 1], 3), greedy_tokens([6, 6], 4), greedy_tokens([2, 2], 4)]
+    assert engine.requests[seen:] == ["running", "suspect", "newcomer"]
+
+
+async def test_a_suspect_runs_beside_others_after_the_drain_timeout(make_guard: Callable[..., Any]) -> None:
+    from server.guard.quarantine import fingerprint
+
+    g = await make_guard(probation_drain_timeout=0.05)
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    running = asyncio.create_task(g.collect([1, 1], max_tokens=3, rid="running"))
+    await asyncio.wait_for(engine.wait_for_requests(seen + 1), WAIT_S)
+    g.sup.quarantine.record_death(
+        [fingerprint({"prompt_token_ids": [6, 6]}, SamplingParams(max_tokens=4, temperature=0))]
+    )
+    suspect = asyncio.create_task(g.collect([6, 6], rid="suspect"))
+    await asyncio.wait_for(engine.wait_for_requests(seen + 2), WAIT_S)  # bounded: it went in beside "running"
+    engine.resume()
+    await asyncio.wait_for(asyncio.gather(running, suspect), WAIT_S)
