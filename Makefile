@@ -7,8 +7,10 @@ PROFILE ?= config/tiny-cpu.yaml
 export VLGUARD_CACHE ?= $(HOME)/.cache/vlguard
 TINY_MODEL := $(VLGUARD_CACHE)/tiny-qwen3-vl-$(shell cat server/devmodel.py | sha256sum | cut -c1-12)
 MODEL ?= $(TINY_MODEL)
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
-# full: every test. lane: the focused suite each engine lane runs (tests marked `lane`, all unit tests).
+# full: every test. lane: the focused suite each engine lane runs (tests marked `lane` but not `full_only`;
+# every unit and in-process API test is marked `lane`).
 SUITE ?= full
 
 SCENARIO ?= overhead
@@ -25,9 +27,9 @@ tiny-model:  ## build the embedded tiny Qwen3-VL into the cache (once)
 	  rm -rf "$(TINY_MODEL).tmp" && $$PY -m server tiny-model "$(TINY_MODEL).tmp" >/dev/null && \
 	  mv "$(TINY_MODEL).tmp" "$(TINY_MODEL)"; fi; echo "$(TINY_MODEL)"
 
-serve: tiny-model  ## serve MODEL (default: the tiny model) on HOST:PORT through vlguard
+serve: tiny-model  ## serve MODEL (default: the tiny model) on HOST:PORT through vlguard (SERVE_ARGS: more flags)
 	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
-	  exec $$PY -m server serve "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
+	  exec $$PY -m server serve "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 serve-stock: tiny-model  ## the stock vLLM OpenAI server on the same model and profile (vlguard's plugins off)
 	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_PLUGINS= \
@@ -45,6 +47,6 @@ lint:  ## ruff (lint + format) and mypy
 	  $$PY -m ruff format --check server tests && $$PY -m mypy
 
 test: lint tools  ## lint, then the test suite (SUITE=full|lane) on the engine lane VLLM (0.20.0, 0.22.1, 0.32.0)
-	@case "$(SUITE)" in full) marker= ;; lane) marker="-m lane" ;; \
+	@case "$(SUITE)" in full) marker= ;; lane) marker="lane and not full_only" ;; \
 	  *) echo "SUITE must be full or lane, not '$(SUITE)'" >&2; exit 2 ;; esac; \
-	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $$marker $(PYTEST_ARGS)
+	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $${marker:+-m "$$marker"} $(PYTEST_ARGS)
