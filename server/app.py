@@ -23,6 +23,8 @@ from server.api.admission import AdmissionMiddleware
 from server.api.errors import install_error_handlers
 from server.api.health import router as health_router
 from server.api.input_guard import InputGuardMiddleware
+from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
+from server.api.request_fixes import install_completion_fixes
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import Supervisor
 from server.guard.systemd import Notifier
@@ -79,6 +81,28 @@ async def _report_state_forever(supervisor: Supervisor, notifier: Notifier) -> N
         await asyncio.sleep(supervisor.settings.watchdog_interval)
 
 
+def _pixel_bounds(model_config: Any) -> PixelBounds | None:
+    """The processed image size bounds of the served model: its image processor's configuration
+    (``preprocessor_config.json``, or ``image_processor`` in the newer ``processor_config.json``)
+    overridden by ``--mm-processor-kwargs``; ``None`` when the model states none."""
+    from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+    config: dict[str, Any] = {}
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        try:
+            found = get_hf_file_to_dict(name, model_config.model, model_config.revision)
+        except Exception:  # the hub unreachable for a file it never had: try the next
+            found = None
+        if isinstance(found, dict):
+            config = found.get(key, {}) if key else found
+            break
+    multimodal = getattr(model_config, "multimodal_config", None)
+    bounds = server_pixel_bounds(config, getattr(multimodal, "mm_processor_kwargs", None))
+    if bounds is None:
+        logger.warning("%s states no image pixel bounds: per-request pixel bounds not enforced", model_config.model)
+    return bounds
+
+
 def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Supervisor) -> FastAPI:
     """Build the vlguard app.
 
@@ -102,6 +126,9 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
             client = GuardedEngineClient(supervisor)
             tasks = await client.get_supported_tasks()
             await init_app_state(cast(Any, client), app.state, args, tasks)
+            if (completion := getattr(app.state, "openai_serving_completion", None)) is not None:
+                install_completion_fixes(completion)
+            app.state.pixel_bounds = _pixel_bounds(client.model_config)
             background = [asyncio.create_task(notifier.watchdog_forever(supervisor.healthy))]
             background.append(asyncio.create_task(_report_state_forever(supervisor, notifier)))
             if not args.disable_log_stats:
@@ -125,6 +152,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.supervisor = supervisor
     app.state.settings = settings
     app.state.args = args
+    app.state.pixel_bounds = BOUNDS_PENDING  # read from the model's processor once the engine is up
     app.root_path = args.root_path
     app.include_router(health_router)
     app.include_router(admin_router)
@@ -137,6 +165,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         settings=settings,
         local_media=bool(args.allowed_local_media_path),
         allowed_media_domains=args.allowed_media_domains,
+        pixel_bounds=lambda: app.state.pixel_bounds,
     )
     _add_middleware(app, args)
     install_error_handlers(app)

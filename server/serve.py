@@ -93,6 +93,23 @@ def plugin_allowlist(value: str | None) -> str | None:
     return ",".join(dict.fromkeys([*names, *VLGUARD_PLUGINS]))
 
 
+#: Idle keep-alive seconds when neither --guard-keep-alive-timeout nor VLLM_HTTP_TIMEOUT_KEEP_ALIVE is set:
+#: above the 60 s idle timeout of nginx upstream pools and AWS/Azure load balancers.
+DEFAULT_KEEP_ALIVE_S = 75
+
+
+def keep_alive_timeout(settings: GuardSettings) -> int:
+    """Seconds uvicorn keeps an idle connection: ``--guard-keep-alive-timeout``, else vLLM's own
+    ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when the operator set it, else :data:`DEFAULT_KEEP_ALIVE_S`."""
+    if settings.keep_alive_timeout is not None:
+        return math.ceil(settings.keep_alive_timeout)
+    if "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" in os.environ:
+        import vllm.envs as envs
+
+        return envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    return DEFAULT_KEEP_ALIVE_S
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server that also tells the supervisor at once when SIGTERM/SIGINT arrives (uvicorn itself
     looks at its exit flag only once the application has started, which can take minutes)."""
@@ -116,7 +133,6 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         could not be restarted, 0 otherwise. A SIGTERM/SIGINT does not return: after the shutdown the
         process ends by that signal (status 143 / 130), as uvicorn does.
     """
-    import vllm.envs as envs
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
@@ -150,7 +166,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+        timeout_keep_alive=keep_alive_timeout(settings),
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,

@@ -47,6 +47,16 @@ class GuardSettings(BaseSettings):
     max_aspect_ratio: float = Field(default=200.0, ge=1)
     """Largest long-side / short-side ratio of an image (Qwen's processor refuses above 200); more gets 400."""
 
+    image_normalize: bool = True
+    """Normalise images at the door so the engine sees what viewers show (on/off): EXIF orientation
+    applied, transparency composited on white, 16/32-bit scaled to 8 bits, CMYK through its ICC profile
+    (docs/input.md). Off: images reach vLLM exactly as sent (stock behaviour)."""
+
+    keep_alive_timeout: float | None = Field(default=None, gt=0)
+    """Seconds an idle HTTP keep-alive connection is kept open. Default: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    when set, else 75 (above the 60 s idle timeouts of nginx upstream pools and cloud load balancers, so a
+    proxy never reuses a connection the server is closing)."""
+
     remote_media: bool = False
     """Accept http(s) image URLs (on/off). Off: images must come as data: URIs. On: vlguard fetches them
     from the hosts in --allowed-media-domains only (public addresses, checked redirects, bounded size and

@@ -7,6 +7,7 @@ Every error leaves the server as ``{"error": {"message", "type", "param", "code"
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from http import HTTPStatus
@@ -36,24 +37,48 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def validation_message(errors: Any) -> tuple[str, str | None]:
-    """Turn pydantic/FastAPI ``exc.errors()`` into ``(message, param)``.
+def _describe(err: Any) -> tuple[str, str | None]:
+    """One validation error of any shape -> ``(text, param)``: pydantic's dict (``loc``/``msg``/``type``/
+    ``ctx``), or whatever else FastAPI, Starlette or vLLM put there (vLLM raises with plain strings)."""
+    if not isinstance(err, Mapping):
+        return str(err), None
+    raw_loc = err.get("loc", ())
+    loc_parts = raw_loc if isinstance(raw_loc, list | tuple) else (raw_loc,)
+    loc = [str(p) for p in loc_parts if p not in ("body", "query", "path", "header", None)]
+    msg = str(err.get("msg", "invalid value"))
+    ctx = err.get("ctx")
+    ctx_error = ctx.get("error") if isinstance(ctx, Mapping) else None
+    if err.get("type") == "json_invalid" and ctx_error:
+        return f"body: {msg}: {ctx_error}", None
+    where = ".".join(loc)
+    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
 
-    The location's leading ``body``/``query`` part is dropped: ``messages: Field required``.
+
+def validation_message(errors: Any) -> tuple[str, str | None]:
+    """Turn ``RequestValidationError.errors()`` of any shape into ``(message, param)``.
+
+    Pydantic's errors keep their location without its leading ``body``/``query`` part
+    (``messages: Field required``); strings and other shapes are used as they are.
     """
+    items = errors if isinstance(errors, list | tuple) else [errors]
     parts: list[str] = []
     param: str | None = None
-    for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
-        where = ".".join(loc)
-        msg = str(err.get("msg", "invalid value"))
-        ctx_error = (err.get("ctx") or {}).get("error")
-        if err.get("type") == "json_invalid" and ctx_error:
-            msg = f"{msg}: {ctx_error}"
-            where, loc = "body", []
-        parts.append(f"{where}: {msg}" if where else msg)
-        param = param or (loc[0] if loc else None)
-    return "; ".join(parts) or "invalid request", param
+    for err in items:
+        text, where = _describe(err)
+        parts.append(text)
+        param = param or where
+    return "; ".join(p for p in parts if p) or "invalid request", param
+
+
+def detail_message(detail: Any) -> str:
+    """An ``HTTPException.detail`` of any shape (string, dict, list) as one message."""
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, Mapping) and isinstance(detail.get("message"), str):
+        return detail["message"]
+    if isinstance(detail, list | tuple):
+        return validation_message(detail)[0]
+    return json.dumps(detail, default=str)
 
 
 async def _on_validation(_: Request, exc: Exception) -> JSONResponse:
@@ -64,7 +89,7 @@ async def _on_validation(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_http(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+    return error_response(exc.status_code, detail_message(exc.detail), headers=exc.headers)
 
 
 def unavailable_response(exc: Exception) -> JSONResponse:

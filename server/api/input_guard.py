@@ -6,12 +6,15 @@ For ``POST`` to the generation routes, before vLLM sees the request:
    streaming); one more gets **429** + ``Retry-After`` instead of growing memory without bound;
 2. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
    more gets **413**;
-3. a JSON body's media parts are checked by :func:`server.api.media.check_media` (**400**/**413** with
-   a message naming the part). A body that is not JSON goes on to vLLM, whose own 400 names the problem;
+3. a JSON body's media parts and ``mm_processor_kwargs`` are checked by
+   :func:`server.api.media.check_media` (**400**/**413** with a message naming the part), and its images
+   normalised (:mod:`server.api.pixels`). A body that is not JSON goes on to vLLM, whose own 400 names
+   the problem; JSON that is not an object, or nested too deeply for Python's parser, gets **400** here
+   (vLLM's request models would answer those with a 500);
 4. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
    (:mod:`server.api.remote_media`; **400**/**413**/**504**).
 
-The body is then handed on (unchanged unless remote images were inlined). Every refusal uses the OpenAI
+The body is then handed on (unchanged unless images were normalised or inlined). Every refusal uses the OpenAI
 error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -26,12 +30,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.admission import GENERATION_PATHS
 from server.api.errors import RETRY_AFTER_S, error_response
-from server.api.media import MediaError, MediaLimits, check_media
+from server.api.media import MediaError, MediaLimits, PixelBounds, check_media
 from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.metrics import definitions as m
 from server.settings import GuardSettings
 
-#: Bodies above this many bytes are checked off the event loop (base64 decoding of large images).
+#: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); so are
+#: bodies with inline media when images are normalised.
 _OFFLOAD_BYTES = 1 << 20
 
 
@@ -40,7 +45,9 @@ class InputGuardMiddleware:
     app: the ASGI app to protect.
     settings: the limits (``max_inflight``, ``max_request_mb`` and the media limits).
     local_media: whether ``--allowed-local-media-path`` is set (``file:`` URLs allowed).
-    allowed_media_domains: vLLM's ``--allowed-media-domains``: the hosts remote media may come from."""
+    allowed_media_domains: vLLM's ``--allowed-media-domains``: the hosts remote media may come from.
+    pixel_bounds: returns the server's processed image size bounds once the engine is up (``None``: not
+        known yet, or the model's processor has none)."""
 
     def __init__(
         self,
@@ -48,6 +55,7 @@ class InputGuardMiddleware:
         settings: GuardSettings,
         local_media: bool = False,
         allowed_media_domains: list[str] | None = None,
+        pixel_bounds: Callable[[], PixelBounds | None] = lambda: None,
     ) -> None:
         self.app = app
         self.max_inflight = settings.max_inflight
@@ -58,7 +66,9 @@ class InputGuardMiddleware:
             max_aspect_ratio=settings.max_aspect_ratio,
             remote_media=settings.remote_media,
             local_media=local_media,
+            normalize=settings.image_normalize,
         )
+        self.pixel_bounds = pixel_bounds
         self.remote = RemotePolicy(
             allowed_hosts=frozenset(h.lower() for h in allowed_media_domains or ()),
             timeout_s=settings.remote_media_timeout,
@@ -104,9 +114,10 @@ class InputGuardMiddleware:
         try:
             inlined = await self._check(raw)
         except MediaError as exc:
-            await self._refuse(scope, receive, send, exc.status, str(exc), "media")
+            retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
+            await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
             return
-        if inlined is not None:  # remote media fetched and inlined: hand on the rewritten body
+        if inlined is not None:  # images normalised or inlined: hand on the rewritten body
             raw = inlined
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
@@ -123,20 +134,25 @@ class InputGuardMiddleware:
         await self.app(scope, replay, send)
 
     async def _check(self, raw: bytes) -> bytes | None:
-        """Check the body's media; returns a rewritten body when remote media was inlined, else None."""
+        """Check the body's media; returns the rewritten body when anything was changed, else None."""
         try:
             body: Any = json.loads(raw)
         except ValueError:
             return None  # vLLM answers malformed JSON with its own 400
-        if not isinstance(body, dict):
-            return None
-        if len(raw) > _OFFLOAD_BYTES:
-            await asyncio.to_thread(check_media, body, self.limits)
+        except RecursionError:  # json raises this for deep nesting; FastAPI's parser would answer 500
+            raise MediaError(HTTPStatus.BAD_REQUEST, "request body: JSON nested too deeply", "body") from None
+        if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
+            message = f"request body must be a JSON object, not {type(body).__name__}"
+            raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
+        # Off the event loop when large or when images may be normalised (tens of ms per affected image).
+        if len(raw) > _OFFLOAD_BYTES or (self.limits.normalize and b";base64," in raw):
+            checked = await asyncio.to_thread(check_media, body, self.limits, self.pixel_bounds())
         else:
-            check_media(body, self.limits)
+            checked = check_media(body, self.limits, self.pixel_bounds())
+        changed = checked.normalized > 0
         if self.limits.remote_media and await inline_remote_media(body, self.limits, self.remote):
-            return json.dumps(body).encode()
-        return None
+            changed = True
+        return json.dumps(body).encode() if changed else None
 
     @staticmethod
     async def _refuse(

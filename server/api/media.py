@@ -10,7 +10,13 @@ Every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``
 * ``http(s):`` image URLs only when remote media is enabled (``--guard-remote-media on``); vlguard then
   fetches them itself under its policy (:mod:`server.api.remote_media`) and vLLM never sees the URL;
 * ``file:`` URLs only when ``--allowed-local-media-path`` is set (vLLM then confines them to it);
-* any other scheme is refused.
+* any other scheme is refused;
+* ``mm_processor_kwargs`` may only lower the processed image size within the server's bounds
+  (:func:`check_processor_kwargs`), checked before any pixel work.
+
+With ``--guard-image-normalize on`` (the default), ``data:`` images that a rule of
+:mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit, CMYK) are replaced in the
+body by the normalised PNG.
 
 Images smaller than the model's patch grid are not refused: Qwen3-VL's processor upscales them to its
 minimum pixel count.
@@ -26,7 +32,9 @@ import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NamedTuple
+
+from server.api.pixels import normalize_image
 
 #: Content-part types that carry media -> the key holding their URL (or inline data). The responses
 #: API's ``input_image`` keeps its URL under ``image_url`` as a plain string.
@@ -40,11 +48,13 @@ MEDIA_PARTS = {
 
 
 class MediaError(ValueError):
-    """A content part that vlguard refuses. ``status`` is the HTTP status to answer with."""
+    """A request part that vlguard refuses. ``status`` is the HTTP status to answer with, ``reason`` the
+    ``vlguard_requests_rejected_total`` label."""
 
-    def __init__(self, status: HTTPStatus, message: str) -> None:
+    def __init__(self, status: HTTPStatus, message: str, reason: str = "media") -> None:
         super().__init__(message)
         self.status = status
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -56,11 +66,50 @@ class MediaLimits:
     max_aspect_ratio: float
     remote_media: bool
     local_media: bool
+    normalize: bool = False
 
 
-def media_parts(body: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
-    """``(where, kind, url_or_data_uri)`` for every media part of a chat (``messages``) or responses
-    (``input``) request body. ``where`` names the part, e.g. ``messages[0].content[1]``."""
+@dataclass(frozen=True)
+class PixelBounds:
+    """The processed image size the server allows (pixels after the processor's resize): its
+    ``min_pixels``/``max_pixels`` (Qwen's ``size.shortest_edge``/``size.longest_edge``)."""
+
+    min_pixels: int
+    max_pixels: int
+
+
+#: The server's bounds before its engine first came up (the model's processor not read yet).
+BOUNDS_PENDING = PixelBounds(0, 0)
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One media content part: ``where`` names it (``messages[0].content[1]``), ``url`` is its URL or
+    data URI; ``holder[key]`` is where the URL lives in the body (``replace`` rewrites it)."""
+
+    where: str
+    kind: str
+    url: str
+    holder: dict[str, Any]
+    key: str
+
+    @property
+    def is_image(self) -> bool:
+        return self.kind in ("image_url", "input_image")
+
+    def replace(self, url: str) -> None:
+        self.holder[self.key] = url
+
+
+class MediaCheck(NamedTuple):
+    """What :func:`check_media` did: parts checked, images rewritten by normalisation."""
+
+    parts: int
+    normalized: int
+
+
+def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
+    """Every media part of a chat (``messages``) or responses (``input``) request body, in order."""
     for key in ("messages", "input"):
         turns = body.get(key)
         if not isinstance(turns, list):
@@ -73,14 +122,15 @@ def media_parts(body: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
                 if not isinstance(part, dict) or part.get("type") not in MEDIA_PARTS:
                     continue
                 kind = str(part["type"])
-                value = part.get(MEDIA_PARTS[kind])
+                field = MEDIA_PARTS[kind]
+                value = part.get(field)
+                holder, attr = (value, "url") if isinstance(value, dict) else (part, field)
                 if kind == "input_audio" and isinstance(value, dict):
                     url = f"data:audio/{value.get('format', 'wav')};base64,{value.get('data', '')}"
-                elif isinstance(value, dict):
-                    url = str(value.get("url", ""))
+                    holder, attr = part, field  # not rewritable as a URL; audio is never normalised
                 else:
-                    url = str(value or "")
-                yield f"{key}[{i}].content[{j}]", kind, url
+                    url = str(holder.get(attr) or "")
+                yield MediaPart(f"{key}[{i}].content[{j}]", kind, url, holder, attr)
 
 
 def _decode_data_uri(where: str, url: str, limits: MediaLimits) -> tuple[str, bytes]:
@@ -134,22 +184,54 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> str:
     return mime
 
 
-def check_media(body: dict[str, Any], limits: MediaLimits) -> int:
-    """Check every media part of ``body``.
+def checked_image_uri(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bool]:
+    """Check one encoded image (:func:`check_image_bytes`) and, with ``limits.normalize``, normalise it.
 
     Returns:
-        The number of media parts checked.
+        ``(data_uri, normalized)``: the image as a ``data:`` URI (the normalised PNG when a rule applied).
 
     Raises:
-        MediaError: the first part that is refused (400, or 413 for an oversized one).
+        MediaError: 400 when refused by the checks or its pixels cannot be decoded.
     """
-    count = 0
-    for where, kind, url in media_parts(body):
+    mime = check_image_bytes(where, data, limits)
+    if limits.normalize:
+        try:
+            normalized = normalize_image(data)
+        except Exception as exc:  # Pillow's decoders raise OSError, ValueError, SyntaxError...
+            raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image pixels cannot be decoded ({exc})") from None
+        if normalized is not None:
+            return f"data:image/png;base64,{base64.b64encode(normalized).decode('ascii')}", True
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}", False
+
+
+def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBounds | None = None) -> MediaCheck:
+    """Check every media part of ``body`` and, given the server's ``pixel_bounds``, its
+    ``mm_processor_kwargs`` (503 while they are :data:`BOUNDS_PENDING`); with ``limits.normalize``,
+    replace (in place) every ``data:`` image a normalisation rule applies to.
+
+    Raises:
+        MediaError: the first part that is refused (400, or 413 for an oversized one; 503 for
+            ``mm_processor_kwargs`` before the bounds are known).
+    """
+    if pixel_bounds is BOUNDS_PENDING and body.get("mm_processor_kwargs") is not None:
+        raise MediaError(
+            HTTPStatus.SERVICE_UNAVAILABLE, "the engine is starting: mm_processor_kwargs cannot be checked yet"
+        )
+    if pixel_bounds is not None:
+        check_processor_kwargs(body.get("mm_processor_kwargs"), pixel_bounds)
+    count = normalized = 0
+    for part in media_parts(body):
+        where, kind, url = part.where, part.kind, part.url
         count += 1
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
-            if kind in ("image_url", "input_image") or mime.startswith("image/"):
+            if part.is_image:
+                uri, rewritten = checked_image_uri(where, data, limits)
+                if rewritten:
+                    part.replace(uri)
+                    normalized += 1
+            elif mime.startswith("image/"):
                 check_image_bytes(where, data, limits)
         elif scheme in ("http", "https"):
             if not limits.remote_media:
@@ -168,4 +250,82 @@ def check_media(body: dict[str, Any], limits: MediaLimits) -> int:
                 )
         else:
             raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: unsupported {kind} URL {url[:40]!r}")
-    return count
+    return MediaCheck(count, normalized)
+
+
+#: ``mm_processor_kwargs`` keys a request may set: the processed-size bounds of Qwen's image processor.
+SIZE_KWARGS = ("min_pixels", "max_pixels")
+SIZE_EDGE_KWARGS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
+
+
+def _positive_int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where} must be a positive integer (pixels), got {value!r}")
+    return value
+
+
+def requested_pixel_bounds(kwargs: Any, server: PixelBounds) -> PixelBounds:
+    """The processed-size bounds a request's ``mm_processor_kwargs`` ask for, checked against the server's.
+
+    A request may lower the resolution (``max_pixels``, ``size.longest_edge``) and move ``min_pixels``
+    (``size.shortest_edge``) within the server's bounds; nothing else: keys that change the patch grid or
+    anything unknown are refused, so every processed image stays within ``server.max_pixels``.
+
+    Raises:
+        MediaError: 400 naming the key and the server's bound.
+    """
+    if kwargs is None:
+        return server
+    if not isinstance(kwargs, dict):
+        raise MediaError(HTTPStatus.BAD_REQUEST, "mm_processor_kwargs must be an object")
+    asked: dict[str, int] = {}
+    for key, value in kwargs.items():
+        if key in SIZE_KWARGS:
+            asked[key] = _positive_int(f"mm_processor_kwargs.{key}", value)
+        elif key == "size" and isinstance(value, dict) and set(value) <= set(SIZE_EDGE_KWARGS):
+            for edge, name in SIZE_EDGE_KWARGS.items():
+                if edge in value:
+                    asked[name] = _positive_int(f"mm_processor_kwargs.size.{edge}", value[edge])
+        else:
+            allowed = ", ".join([*SIZE_KWARGS, "size.shortest_edge", "size.longest_edge"])
+            raise MediaError(
+                HTTPStatus.BAD_REQUEST,
+                f"mm_processor_kwargs.{key} may not be set per request on this server (allowed: {allowed})",
+            )
+    bounds = PixelBounds(asked.get("min_pixels", server.min_pixels), asked.get("max_pixels", server.max_pixels))
+    for name, value in (("max_pixels", bounds.max_pixels), ("min_pixels", bounds.min_pixels)):
+        if value > server.max_pixels:
+            raise MediaError(
+                HTTPStatus.BAD_REQUEST,
+                f"mm_processor_kwargs {name}={value} is above this server's processed image bound of "
+                f"{server.max_pixels} pixels; a request may only lower the resolution",
+            )
+    if bounds.min_pixels > bounds.max_pixels:
+        raise MediaError(
+            HTTPStatus.BAD_REQUEST,
+            f"mm_processor_kwargs min_pixels={bounds.min_pixels} is above max_pixels={bounds.max_pixels}",
+        )
+    return bounds
+
+
+def check_processor_kwargs(kwargs: Any, server: PixelBounds) -> None:
+    """:func:`requested_pixel_bounds`, for its check only."""
+    requested_pixel_bounds(kwargs, server)
+
+
+def server_pixel_bounds(processor_config: dict[str, Any], server_kwargs: dict[str, Any] | None) -> PixelBounds | None:
+    """The server's processed-size bounds: the model's ``preprocessor_config.json`` (``min_pixels``/
+    ``max_pixels``, or ``size.shortest_edge``/``size.longest_edge``) overridden by ``--mm-processor-kwargs``.
+    ``None`` when the model's processor states no such bounds (not a Qwen-style processor)."""
+    found: dict[str, int] = {}
+    for source in (processor_config, server_kwargs or {}):
+        size = source["size"] if isinstance(source.get("size"), dict) else {}
+        for edge, name in SIZE_EDGE_KWARGS.items():
+            if isinstance(size.get(edge), int):
+                found[name] = size[edge]
+        for name in SIZE_KWARGS:
+            if isinstance(source.get(name), int):
+                found[name] = source[name]
+    if "max_pixels" not in found:
+        return None
+    return PixelBounds(found.get("min_pixels", 1), found["max_pixels"])

@@ -17,7 +17,6 @@ window); allow-list names you control.
 from __future__ import annotations
 
 import asyncio
-import base64
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from server.api.media import MEDIA_PARTS, MediaError, MediaLimits, check_image_bytes
+from server.api.media import MediaError, MediaLimits, checked_image_uri, media_parts
 
 MAX_REDIRECTS = 3
 
@@ -84,7 +83,7 @@ async def _download(where: str, url: str, client: httpx.AsyncClient, policy: Rem
 
 
 async def fetch_media(where: str, url: str, limits: MediaLimits, policy: RemotePolicy) -> str:
-    """Fetch one media URL under ``policy`` and return it as a ``data:`` URI.
+    """Fetch one media URL under ``policy`` and return it as a ``data:`` URI (normalised as data: images are).
 
     Raises:
         MediaError: 400 (policy, HTTP error, connection failure, unreadable image), 413 (too large),
@@ -100,8 +99,7 @@ async def fetch_media(where: str, url: str, limits: MediaLimits, policy: RemoteP
         ) from None
     except httpx.HTTPError as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: fetching the media failed ({exc!r})") from None
-    mime = check_image_bytes(where, data, limits)
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    return checked_image_uri(where, data, limits)[0]
 
 
 async def inline_remote_media(body: dict[str, Any], limits: MediaLimits, policy: RemotePolicy) -> int:
@@ -111,20 +109,8 @@ async def inline_remote_media(body: dict[str, Any], limits: MediaLimits, policy:
     Raises:
         MediaError: from :func:`fetch_media`, for the first URL that failed.
     """
-    targets: list[tuple[str, dict[str, Any], str, str]] = []
-    for key in ("messages", "input"):
-        for i, turn in enumerate(body.get(key) or []):
-            content = turn.get("content") if isinstance(turn, dict) else None
-            for j, part in enumerate(content if isinstance(content, list) else []):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("image_url", "input_image"):
-                    continue
-                field = MEDIA_PARTS[kind]
-                holder, attr = (part[field], "url") if isinstance(part.get(field), dict) else (part, field)
-                url = str(holder.get(attr, ""))
-                if url.lower().startswith(("http://", "https://")):
-                    targets.append((f"{key}[{i}].content[{j}]", holder, attr, url))
-    uris = await asyncio.gather(*(fetch_media(where, url, limits, policy) for where, _, _, url in targets))
-    for (_, holder, attr, _), uri in zip(targets, uris, strict=True):
-        holder[attr] = uri
+    targets = [p for p in media_parts(body) if p.is_image and p.url.lower().startswith(("http://", "https://"))]
+    uris = await asyncio.gather(*(fetch_media(p.where, p.url, limits, policy) for p in targets))
+    for part, uri in zip(targets, uris, strict=True):
+        part.replace(uri)
     return len(targets)

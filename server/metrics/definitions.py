@@ -109,7 +109,7 @@ API_TASKS = Gauge(
 )
 REQUESTS_REJECTED = Counter(
     "vlguard_requests_rejected",
-    "Requests refused at the door, by reason (media, body_too_large, overload).",
+    "Requests refused at the door, by reason (media, body, body_too_large, overload).",
     ["reason"],
 )
 REQUESTS_QUARANTINED = Counter(
@@ -133,3 +133,5 @@ for _cause in ("deepstack", "process_exit", "hang", "exception"):
 for _outcome in ("success", "failure"):
     ENGINE_RESTARTS.labels(outcome=_outcome)
 QUARANTINE_STRIKES.labels(evidence="step_exception")
+for _reason in ("media", "body", "body_too_large", "overload"):
+    REQUESTS_REJECTED.labels(reason=_reason)

@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="vlguard sides emulate CUDA-graph padding on CPU through the test plugin (development environments only)",
     )
     _workload_args(cmp_)
+    sub.add_parser("normalize", help="Time image normalisation at the door, off vs on, per image (no server).")
     return parser
 
 
@@ -218,6 +219,10 @@ def main(argv: list[str]) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, serve_args = argv[:cut], argv[cut + 1 :]
+    if argv[:1] == ["normalize"]:  # no server involved: the door's image work alone
+        from server.workload import normalize_bench
+
+        return normalize_bench.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.bench == "twopass":
         if serve_args:

@@ -88,3 +88,14 @@ def test_shipped_profiles_also_parse_for_stock_vllm(profile: str) -> None:
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--config", str(REPO / "config" / profile)])
     assert args.enable_prefix_caching is True
+
+
+def test_keep_alive_flag_then_vllm_variable_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.serve import DEFAULT_KEEP_ALIVE_S, keep_alive_timeout
+    from server.settings import GuardSettings
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    assert keep_alive_timeout(GuardSettings()) == DEFAULT_KEEP_ALIVE_S == 75
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
+    assert keep_alive_timeout(GuardSettings()) == 30
+    assert keep_alive_timeout(GuardSettings(keep_alive_timeout=620)) == 620

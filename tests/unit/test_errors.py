@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from server.api.errors import validation_message
+from typing import Any
+
+import pytest
+
+from server.api.errors import detail_message, validation_message
 
 
 def test_missing_field_names_it() -> None:
@@ -20,3 +24,30 @@ def test_invalid_json_has_no_param() -> None:
 def test_nested_location_is_dotted() -> None:
     errors = [{"type": "int_parsing", "loc": ("body", "messages", 0, "content"), "msg": "bad"}]
     assert validation_message(errors) == ("messages.0.content: bad", "messages")
+
+
+@pytest.mark.parametrize(
+    ("errors", "expected"),
+    [
+        (["Unsupported Media Type: Only 'application/json' is allowed"], ("Unsupported Media Type: Only", None)),
+        ("one plain string", ("one plain string", None)),
+        ({"loc": "messages", "msg": "bad"}, ("messages: bad", "messages")),  # one dict, a string location
+        ([{"msg": "no location"}], ("no location", None)),
+        ([{"loc": None, "msg": "x", "ctx": "not a dict", "type": "json_invalid"}], ("x", None)),
+        ([["nested", "list"]], ("['nested', 'list']", None)),
+        ([42, None], ("42; None", None)),
+        ([], ("invalid request", None)),
+    ],
+)
+def test_every_error_shape_gives_a_message(errors: Any, expected: tuple[str, str | None]) -> None:
+    message, param = validation_message(errors)
+    assert message.startswith(expected[0]) and param == expected[1]
+
+
+@pytest.mark.parametrize(
+    ("detail", "expected"),
+    [("Not Found", "Not Found"), ({"message": "gone"}, "gone"), ({"a": 1}, '{"a": 1}'),
+     ([{"loc": ["x"], "msg": "bad"}], "x: bad"), (None, "null")],
+)  # fmt: skip
+def test_every_http_exception_detail_gives_a_message(detail: Any, expected: str) -> None:
+    assert detail_message(detail) == expected

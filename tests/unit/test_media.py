@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 from http import HTTPStatus
 
 import pytest
 from PIL import Image
 
-from server.api.media import MediaError, MediaLimits, check_media, media_parts
+from server.api.media import (
+    MediaError,
+    MediaLimits,
+    PixelBounds,
+    check_media,
+    media_parts,
+    requested_pixel_bounds,
+    server_pixel_bounds,
+)
 
 LIMITS = MediaLimits(max_image_bytes=1 << 20, max_image_pixels=1_000_000, max_aspect_ratio=200,
                      remote_media=False, local_media=False)  # fmt: skip
@@ -27,15 +36,20 @@ def _chat(*parts: dict[str, object]) -> dict[str, object]:
 
 def test_parts_are_found_in_chat_and_responses_bodies() -> None:
     chat = _chat({"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:a"}})
-    assert [w for w, _, _ in media_parts(chat)] == ["messages[1].content[1]"]
+    assert [p.where for p in media_parts(chat)] == ["messages[1].content[1]"]
     responses = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}
-    assert list(media_parts(responses)) == [("input[0].content[0]", "input_image", "http://x/y.png")]
+    [part] = media_parts(responses)
+    assert (part.where, part.kind, part.url) == ("input[0].content[0]", "input_image", "http://x/y.png")
+    part.replace("data:image/png;base64,AAAA")  # a plain-string URL is rewritten where it was
+    assert responses["input"][0]["content"][0]["image_url"] == "data:image/png;base64,AAAA"
     audio = _chat({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
-    assert next(iter(media_parts(audio)))[2] == "data:audio/wav;base64,AAAA"
+    assert next(iter(media_parts(audio))).url == "data:audio/wav;base64,AAAA"
 
 
 def test_a_good_image_passes_and_counts() -> None:
-    assert check_media(_chat({"type": "image_url", "image_url": {"url": _png(64, 48)}}), LIMITS) == 1
+    body = _chat({"type": "image_url", "image_url": {"url": _png(64, 48)}})
+    assert check_media(body, LIMITS) == (1, 0)
+    assert check_media(body, dataclasses.replace(LIMITS, normalize=True)) == (1, 0)  # RGB: nothing to do
 
 
 @pytest.mark.parametrize(
@@ -62,7 +76,7 @@ def test_policies_can_be_opened() -> None:
     open_limits = MediaLimits(1 << 20, 1_000_000, 200, remote_media=True, local_media=True)
     body = _chat({"type": "image_url", "image_url": {"url": "https://a/b.png"}},
                  {"type": "image_url", "image_url": {"url": "file:///srv/media/a.png"}})  # fmt: skip
-    assert check_media(body, open_limits) == 2
+    assert check_media(body, open_limits).parts == 2
 
 
 def test_remote_addresses_must_be_public_unless_named_literally() -> None:
@@ -74,3 +88,52 @@ def test_remote_addresses_must_be_public_unless_named_literally() -> None:
     assert not address_allowed("media.example.com", "127.0.0.1", policy)
     assert not address_allowed("media.example.com", "169.254.169.254", policy)  # cloud metadata
     assert address_allowed("10.0.0.5", "10.0.0.5", policy)  # the operator named this address
+
+
+SERVER = PixelBounds(min_pixels=32 * 32, max_pixels=512 * 512)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (None, SERVER),
+        ({}, SERVER),
+        ({"max_pixels": 64 * 64}, PixelBounds(32 * 32, 64 * 64)),
+        ({"size": {"longest_edge": 128 * 128, "shortest_edge": 64 * 64}}, PixelBounds(64 * 64, 128 * 128)),
+        ({"min_pixels": 512 * 512}, PixelBounds(512 * 512, 512 * 512)),  # within the bound: allowed
+    ],
+)
+def test_requests_may_lower_the_processed_size(kwargs: object, expected: PixelBounds) -> None:
+    assert requested_pixel_bounds(kwargs, SERVER) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"min_pixels": 10**9}, "above this server's processed image bound of 262144"),
+        ({"max_pixels": 513 * 512}, "above this server's processed image bound"),
+        ({"size": {"shortest_edge": 10**8}}, "min_pixels=100000000 is above"),
+        ({"min_pixels": 128 * 128, "max_pixels": 64 * 64}, "above max_pixels"),
+        ({"patch_size": 4}, "patch_size may not be set"),
+        ({"size": {"height": 900, "width": 900}}, "size may not be set"),
+        ({"images_kwargs": {"min_pixels": 10**9}}, "images_kwargs may not be set"),
+        ({"max_pixels": "1000"}, "positive integer"),
+        ({"max_pixels": True}, "positive integer"),
+        ({"max_pixels": -5}, "positive integer"),
+        ("max_pixels=5", "must be an object"),
+    ],
+)
+def test_requests_may_not_raise_it_or_change_the_grid(kwargs: object, words: str) -> None:
+    body = {"mm_processor_kwargs": kwargs, **_chat({"type": "image_url", "image_url": {"url": _png(64, 64)}})}
+    with pytest.raises(MediaError) as err:
+        check_media(body, LIMITS, SERVER)
+    assert err.value.status == HTTPStatus.BAD_REQUEST and words in str(err.value)
+
+
+def test_server_bounds_come_from_the_processor_config_then_the_operator() -> None:
+    qwen3 = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+    assert server_pixel_bounds(qwen3, None) == PixelBounds(65536, 16777216)
+    assert server_pixel_bounds(qwen3, {"max_pixels": 1 << 20}) == PixelBounds(65536, 1 << 20)
+    qwen2 = {"min_pixels": 3136, "max_pixels": 12845056, "size": {"shortest_edge": 1, "longest_edge": 2}}
+    assert server_pixel_bounds(qwen2, {}) == PixelBounds(3136, 12845056)  # the processor's own precedence
+    assert server_pixel_bounds({"crop_size": 336}, None) is None  # not a pixel-bounded processor
