@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import psutil
-from PIL import Image
+from PIL import Image, ImageOps
 
 from server.workload.servers import ServerProcess, metric_samples
 
@@ -118,3 +119,49 @@ def assert_session_ends(sid: int, within_s: float = 10) -> None:
     except AssertionError:
         left = [(p.pid, p.name(), p.status()) for p in session_processes(sid)]
         raise AssertionError(f"left {within_s:g} s after exit: {left}") from None
+
+
+def encoded(img: Image.Image, fmt: str = "PNG", **params: Any) -> bytes:
+    """``img`` encoded as ``fmt`` (Pillow save parameters in ``params``)."""
+    buf = io.BytesIO()
+    img.save(buf, fmt, **params)
+    return buf.getvalue()
+
+
+def sample_picture(width: int = 96, height: int = 64) -> Image.Image:
+    """An RGB picture with structure in both directions (a turn or a flip changes it), deterministic."""
+    cols, rows = np.meshgrid(np.arange(width) * 255 // width, np.arange(height) * 255 // height, indexing="xy")
+    return Image.fromarray(np.stack([cols, rows, (cols + rows) % 256], -1).astype(np.uint8), "RGB")
+
+
+def field_images() -> dict[str, tuple[bytes, bytes, bytes]]:
+    """The image rows of CASES/issue #17: name -> ``(as sent, as a viewer shows it, as stock vLLM sees it)``,
+    the last two as PNGs no normalisation rule touches.
+
+    * ``exif-jpeg``: a phone JPEG, pixels stored turned 90 degrees with EXIF Orientation=6;
+    * ``palette-trns``: a palette PNG whose left half is a transparent red;
+    * ``grey16``: a 16-bit greyscale PNG (values 257 x an 8-bit picture).
+    """
+    upright = sample_picture()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    jpeg = encoded(upright.transpose(Image.Transpose.ROTATE_90), "JPEG", exif=exif, quality=95)
+    stored = Image.open(io.BytesIO(jpeg))
+    stored.load()
+    shown = ImageOps.exif_transpose(stored)
+    rows: dict[str, tuple[bytes, bytes]] = {"exif-jpeg": (jpeg, encoded(shown))}
+
+    palette = Image.new("P", (96, 64), 1)
+    palette.putpalette([0, 0, 0, 255, 0, 0, 0, 0, 255])
+    palette.paste(2, (48, 0, 96, 64))
+    seen_as = Image.new("RGB", (96, 64), (255, 255, 255))
+    seen_as.paste((0, 0, 255), (48, 0, 96, 64))
+    rows["palette-trns"] = (encoded(palette, transparency=1), encoded(seen_as))
+
+    grey8 = np.asarray(upright.convert("L"))
+    grey16 = Image.frombytes("I;16", (96, 64), (grey8.astype(np.uint16) * 257).astype("<u2").tobytes())
+    rows["grey16"] = (encoded(grey16), encoded(Image.fromarray(grey8, "L")))
+    # What stock vLLM sees: Pillow's convert("RGB") of the image as sent (pixels only: convert() would carry
+    # a tRNS colour along into the PNG).
+    return {name: (sent, shown, encoded(Image.fromarray(np.asarray(Image.open(io.BytesIO(sent)).convert("RGB")))))
+            for name, (sent, shown) in rows.items()}  # fmt: skip
