@@ -215,6 +215,10 @@ class _FakeEngineCore:
         self._engine.shut_down = True
         self._engine.die()
 
+    async def get_output_async(self) -> None:
+        """What ``AsyncLLM``'s output handler awaits for each step's outputs; tests call it to stand for
+        an engine core that is stepping (the supervisor wraps it as its hang-clock signal)."""
+
 
 class FakeEngineFactory:
     """Builds :class:`FakeEngine` s for a supervisor (called off the event loop, like the real build).

@@ -6,8 +6,8 @@ server exits non-zero. The HTTP server keeps listening throughout.
 
 Death is noticed three ways: a request's ``generate()`` raising vLLM's ``EngineDeadError`` (reported by
 the engine client), vLLM's ``errored`` flag, and the watchdog (engine-core process gone or stopped, or
-requests pending with no output for ``hang_timeout``). Engines are built and shut down off the event
-loop (``AsyncLLM`` start-up blocks for the whole model load).
+requests pending and no step output from the engine core for ``hang_timeout``). Engines are built and
+shut down off the event loop (``AsyncLLM`` start-up blocks for the whole model load).
 """
 
 from __future__ import annotations
@@ -308,6 +308,8 @@ class Supervisor:
         except BaseException:
             await asyncio.to_thread(engine.shutdown)
             raise
+        generation = self.generation + 1
+        watchdog.on_engine_core_output(engine, lambda: self._note_engine_step(generation))
         self._engine = self._latest = engine
         if self._serving_renderer is None:
             self._serving_renderer = engine.renderer
@@ -471,6 +473,12 @@ class Supervisor:
             self.last_output = self.last_progress
 
     # -- lifetime ------------------------------------------------------------------------------------
+    def _note_engine_step(self, generation: int) -> None:
+        """Restart the hang clock: engine ``generation`` delivered a step's outputs (any request, any
+        output kind; see :func:`watchdog.on_engine_core_output`)."""
+        if generation == self.generation:
+            self.last_progress = self.clock()
+
     def request_stop(self) -> None:
         """The process was asked to stop (SIGTERM/SIGINT): a first start-up in progress is abandoned.
         Safe to call from a signal handler (it only schedules work on the supervisor's loop)."""

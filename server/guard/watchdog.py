@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -109,3 +110,28 @@ def classify(record: FatalRecord | None, pids: list[int]) -> DeathCause:
     if record is not None:
         return DeathCause.EXCEPTION
     return process_problem(pids) or DeathCause.PROCESS_EXIT
+
+
+def on_engine_core_output(engine: Any, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` each time the API process receives one batch of outputs from the engine core.
+
+    The hang clock's signal that the engine core is stepping, whatever the requests' output kind: a
+    non-streaming request yields nothing until it finishes, so per-request output alone would read a
+    long non-streaming generation as a hang. Wraps ``engine.engine_core.get_output_async`` on the
+    instance (``AsyncLLM``'s output handler looks it up on every iteration; vLLM 0.20.0-0.32.0).
+
+    Returns:
+        ``False`` when ``engine`` has no engine-core client (a test's fake engine): nothing wrapped.
+    """
+    client = getattr(engine, "engine_core", None)
+    receive = getattr(client, "get_output_async", None)
+    if receive is None:
+        return False
+
+    async def get_output_async(*args: Any, **kwargs: Any) -> Any:
+        outputs = await receive(*args, **kwargs)
+        callback()
+        return outputs
+
+    client.get_output_async = get_output_async  # type: ignore[union-attr]
+    return True

@@ -100,6 +100,24 @@ def test_systemd_ready_and_watchdog(guarded: ServerProcess, notify: NotifySocket
     assert notify.wait_for("STATUS=engine ready")
 
 
+def test_a_long_non_streaming_request_is_not_a_hang(guarded: ServerProcess, model_name: str) -> None:
+    # A non-streaming request yields nothing in the API process until it ends; the hang clock must follow
+    # the engine core's steps, not request output (before: killed as a hang after --guard-hang-timeout 10).
+    deaths = metric(guarded, "vlguard_engine_deaths_total")
+    started = time.monotonic()
+    resp = client_for(guarded).chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Write the full site safety manual."}],
+        max_tokens=3500,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    elapsed = time.monotonic() - started
+    assert resp.usage is not None and resp.usage.completion_tokens == 3500
+    assert elapsed > 12, f"took {elapsed:.1f} s: not longer than the 10 s hang timeout, the test shows nothing"
+    assert metric(guarded, "vlguard_engine_deaths_total") == deaths
+
+
 def test_interrupted_greedy_stream_is_token_identical(guarded: ServerProcess, model_name: str) -> None:
     # The stream must still be running when the engine is killed: 1024 tokens, and the engine core is looked
     # up before the stream starts (the lookup waits while an earlier test's core is reaped; in CI that wait

@@ -243,6 +243,24 @@ async def test_hang_is_detected_by_the_clock(make_guard: Callable[..., Any]) -> 
     assert g.sup.generation == 2 and first.shut_down
 
 
+async def test_engine_steps_without_request_output_are_not_a_hang(make_guard: Callable[..., Any]) -> None:
+    # A non-streaming request yields nothing until it ends; the engine core's step outputs keep the clock.
+    g = await make_guard(hang_timeout=60)
+    first = g.factory.current
+    first.pause()
+    task = asyncio.create_task(g.collect([3], max_tokens=2))
+    await asyncio.wait_for(first.wait_for_requests(2), WAIT_S)
+    for _ in range(3):  # 177 s of steps with no request output
+        g.clock.now += 59
+        await first.engine_core.get_output_async()
+        await g.sup._check()
+        assert g.sup.state is EngineState.READY and g.sup.generation == 1
+    g.clock.now += 61  # then the engine core goes quiet: a hang
+    await g.sup._check()
+    assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([3], 2)
+    assert g.sup.generation == 2 and first.shut_down
+
+
 async def test_shutdown_stops_the_engine_and_refuses(make_guard: Callable[..., Any]) -> None:
     g = await make_guard()
     engine = g.factory.current
