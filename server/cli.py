@@ -72,10 +72,16 @@ def build_parser() -> FlexibleArgumentParser:
 
 
 def guard_settings(args: argparse.Namespace) -> GuardSettings:
-    """The :class:`GuardSettings` for parsed ``serve`` arguments (explicit flags over the environment)."""
+    """The :class:`GuardSettings` for parsed ``serve`` arguments (explicit flags over the environment).
+
+    ``vllm serve``'s ``--shutdown-timeout S`` (S > 0: wait up to S s for in-flight requests at shutdown)
+    is vlguard's drain timeout: a migrated launch line keeps its meaning unless ``--guard-drain-timeout``
+    is given too (which wins). vLLM's default 0 ("abort") leaves vlguard's drain timeout as it is."""
     from server.settings import settings_from_flags
 
     flags = {k.removeprefix(GUARD_PREFIX): v for k, v in vars(args).items() if k.startswith(GUARD_PREFIX)}
+    if getattr(args, "shutdown_timeout", 0) and "drain_timeout" not in flags:
+        flags["drain_timeout"] = str(args.shutdown_timeout)
     return settings_from_flags(flags)
 
 

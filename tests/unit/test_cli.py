@@ -99,3 +99,11 @@ def test_keep_alive_flag_then_vllm_variable_then_default(monkeypatch: pytest.Mon
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
     assert keep_alive_timeout(GuardSettings()) == 30
     assert keep_alive_timeout(GuardSettings(keep_alive_timeout=620)) == 620
+
+
+def test_vllm_shutdown_timeout_is_the_drain_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLGUARD_DRAIN_TIMEOUT", raising=False)
+    assert resolve_serve_args(["serve", "m", "--shutdown-timeout", "90"])[1].drain_timeout == 90
+    assert resolve_serve_args(["serve", "m"])[1].drain_timeout == 30  # vLLM's 0 ("abort") changes nothing
+    both = ["serve", "m", "--shutdown-timeout", "90", "--guard-drain-timeout", "5"]
+    assert resolve_serve_args(both)[1].drain_timeout == 5
