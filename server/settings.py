@@ -49,8 +49,8 @@ class GuardSettings(BaseSettings):
 
     image_normalize: bool = True
     """Normalise images at the door so the engine sees what viewers show (on/off): EXIF orientation
-    applied, transparency composited on white, 16/32-bit scaled to 8 bits, CMYK through its ICC profile
-    (docs/input.md). Off: images reach vLLM exactly as sent (stock behaviour)."""
+    applied, transparency composited on white, 16/32-bit scaled to 8 bits (docs/input.md). Off: images
+    reach vLLM exactly as sent (stock behaviour)."""
 
     keep_alive_timeout: float | None = Field(default=None, gt=0)
     """Seconds an idle HTTP keep-alive connection is kept open. Default: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE

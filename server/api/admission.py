@@ -18,6 +18,14 @@ from server.metrics import definitions as m
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: ``scope["path"]`` without ``--root-path`` (Starlette routes the same way;
+    comparing the raw path let every request under a root path past the door)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
+
+
 class AdmissionMiddleware:
     """Arguments:
     app: the ASGI app to guard.
@@ -31,7 +39,7 @@ class AdmissionMiddleware:
         if (
             scope["type"] == "http"
             and scope["method"] == "POST"
-            and scope["path"] in GENERATION_PATHS
+            and route_path(scope) in GENERATION_PATHS
             and self.supervisor.state is not EngineState.READY
         ):
             try:

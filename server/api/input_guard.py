@@ -1,6 +1,7 @@
 """Refuse bad or excessive generation requests at the door (pure ASGI middleware).
 
-For ``POST`` to the generation routes, before vLLM sees the request:
+For ``POST`` to the generation routes and ``/tokenize`` (paths compared without ``--root-path``), before
+vLLM sees the request:
 
 1. at most ``max_inflight`` such requests are inside vlguard at once (held, queued in vLLM, running or
    streaming); one more gets **429** + ``Retry-After`` instead of growing memory without bound;
@@ -28,12 +29,17 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.admission import GENERATION_PATHS
+from server.api.admission import GENERATION_PATHS, route_path
 from server.api.errors import RETRY_AFTER_S, error_response
 from server.api.media import MediaError, MediaLimits, PixelBounds, check_media
 from server.api.remote_media import RemotePolicy, inline_remote_media
+from server.compat import upstream_image_rules
 from server.metrics import definitions as m
 from server.settings import GuardSettings
+
+#: Routes whose bodies are checked: generation, and ``/tokenize`` (it runs the image processor in this
+#: process, so its media and ``mm_processor_kwargs`` need the same checks).
+CHECKED_PATHS = (*GENERATION_PATHS, "/tokenize")
 
 #: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); so are
 #: bodies with inline media when images are normalised.
@@ -67,6 +73,7 @@ class InputGuardMiddleware:
             remote_media=settings.remote_media,
             local_media=local_media,
             normalize=settings.image_normalize,
+            upstream_rules=upstream_image_rules(),
         )
         self.pixel_bounds = pixel_bounds
         self.remote = RemotePolicy(
@@ -76,7 +83,7 @@ class InputGuardMiddleware:
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS):
+        if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in CHECKED_PATHS):
             await self.app(scope, receive, send)
             return
         if self.max_inflight and self.active >= self.max_inflight:

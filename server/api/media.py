@@ -15,7 +15,7 @@ Every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``
   (:func:`check_processor_kwargs`), checked before any pixel work.
 
 With ``--guard-image-normalize on`` (the default), ``data:`` images that a rule of
-:mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit, CMYK) are replaced in the
+:mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit) are replaced in the
 body by the normalised PNG.
 
 Images smaller than the model's patch grid are not refused: Qwen3-VL's processor upscales them to its
@@ -67,6 +67,7 @@ class MediaLimits:
     remote_media: bool
     local_media: bool
     normalize: bool = False
+    upstream_rules: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,17 @@ class MediaCheck(NamedTuple):
     normalized: int
 
 
+def _media_kind(part: Any) -> str | None:
+    """The media kind vLLM will read ``part`` as, or None. Like vLLM's chat parser: a part without a
+    ``type``, or with a ``uuid``, that holds an ``image_url`` is an image whatever its type says."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if "image_url" in part and (kind is None or part.get("uuid") is not None):
+        return "image_url"
+    return kind if isinstance(kind, str) and kind in MEDIA_PARTS else None
+
+
 def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
     """Every media part of a chat (``messages``) or responses (``input``) request body, in order."""
     for key in ("messages", "input"):
@@ -119,9 +131,9 @@ def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
             if not isinstance(content, list):
                 continue
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in MEDIA_PARTS:
+                kind = _media_kind(part)
+                if kind is None:
                     continue
-                kind = str(part["type"])
                 field = MEDIA_PARTS[kind]
                 value = part.get(field)
                 holder, attr = (value, "url") if isinstance(value, dict) else (part, field)
@@ -196,7 +208,7 @@ def checked_image_uri(where: str, data: bytes, limits: MediaLimits) -> tuple[str
     mime = check_image_bytes(where, data, limits)
     if limits.normalize:
         try:
-            normalized = normalize_image(data)
+            normalized = normalize_image(data, limits.upstream_rules)
         except Exception as exc:  # Pillow's decoders raise OSError, ValueError, SyntaxError...
             raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image pixels cannot be decoded ({exc})") from None
         if normalized is not None:
@@ -267,8 +279,8 @@ def _positive_int(where: str, value: Any) -> int:
 def requested_pixel_bounds(kwargs: Any, server: PixelBounds) -> PixelBounds:
     """The processed-size bounds a request's ``mm_processor_kwargs`` ask for, checked against the server's.
 
-    A request may lower the resolution (``max_pixels``, ``size.longest_edge``) and move ``min_pixels``
-    (``size.shortest_edge``) within the server's bounds; nothing else: keys that change the patch grid or
+    A request may lower the resolution (``max_pixels``, or ``size`` with both edges) and move
+    ``min_pixels`` within the server's bounds; nothing else: keys that change the patch grid or
     anything unknown are refused, so every processed image stays within ``server.max_pixels``.
 
     Raises:
@@ -283,9 +295,13 @@ def requested_pixel_bounds(kwargs: Any, server: PixelBounds) -> PixelBounds:
         if key in SIZE_KWARGS:
             asked[key] = _positive_int(f"mm_processor_kwargs.{key}", value)
         elif key == "size" and isinstance(value, dict) and set(value) <= set(SIZE_EDGE_KWARGS):
+            if set(value) != set(SIZE_EDGE_KWARGS):  # it replaces the server's size whole: both are needed
+                raise MediaError(
+                    HTTPStatus.BAD_REQUEST,
+                    "mm_processor_kwargs.size needs both shortest_edge and longest_edge (or use min_pixels/max_pixels)",
+                )
             for edge, name in SIZE_EDGE_KWARGS.items():
-                if edge in value:
-                    asked[name] = _positive_int(f"mm_processor_kwargs.size.{edge}", value[edge])
+                asked[name] = _positive_int(f"mm_processor_kwargs.size.{edge}", value[edge])
         else:
             allowed = ", ".join([*SIZE_KWARGS, "size.shortest_edge", "size.longest_edge"])
             raise MediaError(

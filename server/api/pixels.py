@@ -37,35 +37,43 @@ ORIENTATION_TAG = 0x0112
 #: Modes whose alpha ``convert("RGB")`` drops (``RGBA`` is composited by vLLM itself).
 _ALPHA_MODES = {"RGBa", "LA", "La", "PA"}
 _HIGH_DEPTH_PREFIXES = ("I;16", "I", "F")
+#: Modes Pillow writes to PNG as they are.
+_PNG_MODES = {"1", "L", "LA", "P", "RGB", "RGBA", "I", "I;16"}
 
 
-def needs_normalizing(img: Image.Image) -> list[str]:
+def needs_normalizing(img: Image.Image, skip: frozenset[str] = frozenset()) -> list[str]:
     """The rules that apply to an opened (not decoded) image: names from ``orientation``,
-    ``transparency``, ``bit-depth``; empty when the image goes on unchanged."""
+    ``transparency``, ``bit-depth``, less those in ``skip`` (rules the installed vLLM applies itself);
+    empty when the image goes on unchanged."""
     rules = []
     # Pillow finds a PNG's eXIf chunk after the pixel data only by decoding them: only one before is read.
     has_exif = img.format != "PNG" or "exif" in img.info
-    if has_exif and img.getexif().get(ORIENTATION_TAG, 1) not in (1, None):
+    if has_exif and img.getexif().get(ORIENTATION_TAG, 1) in range(2, 9):  # 1 or an invalid value: as stored
         rules.append("orientation")
     if img.mode in _ALPHA_MODES or "transparency" in img.info:
         rules.append("transparency")
     if img.mode.startswith(_HIGH_DEPTH_PREFIXES):
         rules.append("bit-depth")
-    return rules
+    return [rule for rule in rules if rule not in skip]
 
 
 def _scale_to_8bit(img: Image.Image) -> Image.Image:
     """A single-channel ``I;16*``/``I``/``F`` image as ``L``, scaled over its range (see rule 3)."""
-    values = np.asarray(img, dtype=np.float64)
-    lo, hi = float(values.min()), float(values.max())
+    values = np.asarray(img, dtype=np.float32)
+    finite = values[np.isfinite(values)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     if img.mode.startswith("I;16") or (img.mode == "I" and lo >= 0 and hi <= 65535):
         low, high = 0.0, 65535.0
     elif img.mode == "F" and lo >= 0 and hi <= 1:
         low, high = 0.0, 1.0
     else:
         low, high = lo, max(hi, lo + 1)
-    scaled = np.rint((values - low) * (255.0 / (high - low)))
-    return Image.fromarray(np.clip(scaled, 0, 255).astype(np.uint8), "L")
+    scaled = np.rint((np.nan_to_num(values, nan=low, posinf=high, neginf=low) - low) * (255.0 / (high - low)))
+    grey = np.clip(scaled, 0, 255).astype(np.uint8)
+    transparent = img.info.get("transparency")
+    if isinstance(transparent, int):  # a 16-bit tRNS grey level: those pixels are see-through -> white
+        grey[values == transparent] = 255
+    return Image.fromarray(grey, "L")
 
 
 def _on_white(img: Image.Image) -> Image.Image:
@@ -74,11 +82,12 @@ def _on_white(img: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-def normalize_image(data: bytes) -> bytes | None:
+def normalize_image(data: bytes, skip: frozenset[str] = frozenset()) -> bytes | None:
     """Apply the module's rules to one encoded image.
 
     Arguments:
         data: an encoded image (any format Pillow reads) that already passed the door's checks.
+        skip: rules not to apply (the installed vLLM applies them: ``server.compat.upstream_image_rules``).
 
     Returns:
         PNG bytes when a rule applied, else ``None`` (send ``data`` on unchanged).
@@ -87,7 +96,7 @@ def normalize_image(data: bytes) -> bytes | None:
         OSError, ValueError: Pillow could not decode the pixels (the caller answers 400).
     """
     with Image.open(io.BytesIO(data)) as opened:
-        rules = needs_normalizing(opened)
+        rules = needs_normalizing(opened, skip)
         if not rules:
             return None
         img: Image.Image = opened
@@ -98,6 +107,8 @@ def normalize_image(data: bytes) -> bytes | None:
             img = _scale_to_8bit(img)
         elif "transparency" in rules:
             img = _on_white(img)
+        if img.mode not in _PNG_MODES:  # e.g. a turned CMYK, YCbCr or LAB image: as vLLM would convert it
+            img = img.convert("RGB")
         out = io.BytesIO()
         img.save(out, format="PNG", compress_level=1)
         return out.getvalue()

@@ -99,7 +99,8 @@ async def fetch_media(where: str, url: str, limits: MediaLimits, policy: RemoteP
         ) from None
     except httpx.HTTPError as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: fetching the media failed ({exc!r})") from None
-    return checked_image_uri(where, data, limits)[0]
+    uri, _ = await asyncio.to_thread(checked_image_uri, where, data, limits)  # decoding: off the event loop
+    return uri
 
 
 async def inline_remote_media(body: dict[str, Any], limits: MediaLimits, policy: RemotePolicy) -> int:

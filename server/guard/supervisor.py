@@ -67,6 +67,9 @@ def build_async_llm(engine_args: AsyncEngineArgs) -> Engine:
     )
 
 
+#: The readiness probe's prompt (token ids; any valid id does: one token is generated from it).
+PROBE_PROMPT_IDS = (0,)
+
 _CHILD_PREFIX = re.compile(r"^\d+_")  # vLLM's ids of an n > 1 request's samples: "<index>_<request id>"
 
 
@@ -275,7 +278,11 @@ class Supervisor:
 
     # -- building ------------------------------------------------------------------------------------
     async def probe(self, engine: Engine) -> None:
-        """Generate one token from a fixed text prompt (readiness probe).
+        """Generate one token from a fixed one-token prompt (readiness probe).
+
+        The prompt is given as token ids: a text prompt is tokenized on the event loop's thread with the
+        tokenizer vLLM's request tokenizer uses in its own thread, and the Rust tokenizer refuses concurrent
+        use ("RuntimeError: Already borrowed": a request got a 500 under load when a probe ran beside it).
 
         Raises:
             Exception: whatever the engine raised.
@@ -283,7 +290,8 @@ class Supervisor:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0)
-        async for _ in engine.generate("ping", params, f"vlguard-probe-{time.monotonic_ns()}"):
+        prompt = {"prompt_token_ids": list(PROBE_PROMPT_IDS)}
+        async for _ in engine.generate(prompt, params, f"vlguard-probe-{time.monotonic_ns()}"):
             pass
         self.probe_ok_at = self.clock()
 

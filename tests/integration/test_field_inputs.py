@@ -42,7 +42,7 @@ def test_the_model_answers_the_picture_people_see(openai_client: OpenAI, model_n
     sent, shown, stock = FIELD[row]
     answer = greedy(openai_client, model_name, sent)
     assert answer == greedy(openai_client, model_name, shown), f"{row}: answered unlike the picture people see"
-    assert answer != greedy(openai_client, model_name, stock)  # what stock vLLM answers: the test can tell
+    assert answer != greedy(openai_client, model_name, stock)  # what stock 0.20 answers: the test can tell
 
 
 def test_huge_min_pixels_is_refused_up_front(server: ServerProcess, model_name: str) -> None:
@@ -64,13 +64,11 @@ def test_json_without_a_json_content_type_is_400(server: ServerProcess, model_na
     assert resp.status_code == 400 and "application/json" in resp.json()["error"]["message"], resp.text
 
 
-def test_completions_max_tokens_null_runs_to_the_end_of_the_context(server: ServerProcess, model_name: str) -> None:
-    prompt = [5] * 4080  # token ids: max-model-len 4096 leaves 16
-    body = {"model": model_name, "prompt": prompt, "max_tokens": None, "temperature": 0, "ignore_eos": True}
+def test_completions_max_tokens_null_is_the_default(server: ServerProcess, model_name: str) -> None:
+    body = {"model": model_name, "prompt": "safety check", "max_tokens": None, "temperature": 0, "ignore_eos": True}
     resp = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    usage = resp.json()["usage"]
-    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (4080, 16)
+    assert resp.status_code == 200, resp.text  # stock 0.20: 500 (an assert in vLLM's response builder)
+    assert resp.json()["usage"]["completion_tokens"] == 16  # the field's default, as vLLM 0.32 decides
 
 
 def _get(sock: socket.socket, host: str) -> bytes:

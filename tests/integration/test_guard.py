@@ -205,12 +205,19 @@ def test_identical_requests_at_six_external_kills_are_never_quarantined(
     for _ in range(6):
         poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
         core = engine_core(guarded)
+        # Two non-streaming requests first, then two identical streams: once both streams have tokens,
+        # all four are decoding in the engine (512 tokens each: seconds of work left) when it is killed.
+        # (Waiting on the in-flight gauge instead raced: identical requests served from the prefix cache
+        # finished between the poll and the kill.)
+        started = [threading.Event(), threading.Event()]
         with ThreadPoolExecutor(4) as pool:
-            same = [pool.submit(client.chat.completions.create, model=model_name, messages=messages, max_tokens=512,
-                                temperature=0, extra_body={"ignore_eos": True}) for _ in range(4)]  # fmt: skip
-            poll(lambda: metric(guarded, "vlguard_requests_inflight") >= 4, 60, "the 4 identical requests in flight")
+            plain = [pool.submit(client.chat.completions.create, model=model_name, messages=messages, max_tokens=512,
+                                 temperature=0, extra_body={"ignore_eos": True}) for _ in range(2)]  # fmt: skip
+            streams = [pool.submit(stream_tokens, guarded, model_name, messages, 512, ev) for ev in started]
+            assert all(ev.wait(120) for ev in started), "the streams never started"
             core.send_signal(signal.SIGKILL)
-            assert [len(f.result().choices) for f in same] == [1, 1, 1, 1]  # every one served: 200
+            assert [len(f.result().choices) for f in plain] == [1, 1]  # served: 200
+            assert [(len(ids), err) for ids, err in (f.result() for f in streams)] == [(512, None), (512, None)]
     assert metric(guarded, "vlguard_quarantine_strikes_total") == strikes
     assert metric(guarded, "vlguard_requests_quarantined_total") == refused
 

@@ -46,6 +46,15 @@ def test_parts_are_found_in_chat_and_responses_bodies() -> None:
     assert next(iter(media_parts(audio))).url == "data:audio/wav;base64,AAAA"
 
 
+def test_parts_are_found_as_vllm_reads_them() -> None:
+    bomb = _png(2000, 1000)
+    odd = [{"type": ["image_url"]}, {"type": {"k": 1}}, {"type": None}, "text", 7]  # not media, no crash
+    assert list(media_parts(_chat(*odd))) == []
+    for part in ({"image_url": bomb}, {"image_url": {"url": bomb}}, {"type": "text", "uuid": "u1", "image_url": bomb}):
+        with pytest.raises(MediaError, match="pixels"):  # vLLM reads these as images: so does the door
+            check_media(_chat(part), LIMITS)
+
+
 def test_a_good_image_passes_and_counts() -> None:
     body = _chat({"type": "image_url", "image_url": {"url": _png(64, 48)}})
     assert check_media(body, LIMITS) == (1, 0)
@@ -100,6 +109,7 @@ SERVER = PixelBounds(min_pixels=32 * 32, max_pixels=512 * 512)
         ({}, SERVER),
         ({"max_pixels": 64 * 64}, PixelBounds(32 * 32, 64 * 64)),
         ({"size": {"longest_edge": 128 * 128, "shortest_edge": 64 * 64}}, PixelBounds(64 * 64, 128 * 128)),
+        ({"max_pixels": 128 * 128, "min_pixels": 64 * 64}, PixelBounds(64 * 64, 128 * 128)),
         ({"min_pixels": 512 * 512}, PixelBounds(512 * 512, 512 * 512)),  # within the bound: allowed
     ],
 )
@@ -112,7 +122,9 @@ def test_requests_may_lower_the_processed_size(kwargs: object, expected: PixelBo
     [
         ({"min_pixels": 10**9}, "above this server's processed image bound of 262144"),
         ({"max_pixels": 513 * 512}, "above this server's processed image bound"),
-        ({"size": {"shortest_edge": 10**8}}, "min_pixels=100000000 is above"),
+        ({"size": {"shortest_edge": 10**8, "longest_edge": 10**8}}, "above this server's processed image bound"),
+        ({"size": {"longest_edge": 4096}}, "needs both shortest_edge and longest_edge"),  # HF would raise later
+        ({"size": {}}, "needs both"),
         ({"min_pixels": 128 * 128, "max_pixels": 64 * 64}, "above max_pixels"),
         ({"patch_size": 4}, "patch_size may not be set"),
         ({"size": {"height": 900, "width": 900}}, "size may not be set"),

@@ -145,3 +145,44 @@ def test_every_mode_a_format_carries_reaches_the_engine_as_rgb(fmt: str, mode: s
         assert normalize_image(data) is None  # passed on byte for byte
     if opened.mode.startswith(("I", "F")):
         assert np.abs(seen[..., 0] - grey8).max() <= 1, f"{fmt} {mode} -> {opened.mode}: not scaled"
+
+
+@pytest.mark.parametrize(("mode", "fmt"), [("CMYK", "JPEG"), ("CMYK", "TIFF"), ("YCbCr", "TIFF"), ("LAB", "TIFF")])
+def test_turned_images_of_modes_png_cannot_hold_are_converted_as_vllm_would(mode: str, fmt: str) -> None:
+    exif = Image.Exif()
+    exif[ORIENTATION_TAG] = 6
+    data = encode(UPRIGHT.transpose(Image.Transpose.ROTATE_90).convert(mode), fmt, exif=exif)
+    seen = seen_by_engine(data)
+    expected = np.asarray(UPRIGHT.convert(mode).convert("RGB"), dtype=np.int16)
+    assert seen.shape == (32, 48, 3) and np.abs(seen - expected).max() <= (40 if fmt == "JPEG" else 2)
+
+
+@pytest.mark.parametrize("value", [0, 9, 1])
+def test_invalid_orientation_values_leave_the_image_alone(value: int) -> None:
+    exif = Image.Exif()
+    exif[ORIENTATION_TAG] = value
+    assert normalize_image(encode(UPRIGHT, "JPEG", exif=exif)) is None
+
+
+def test_16_bit_transparent_grey_is_white() -> None:
+    values = np.full((8, 16), 40000, dtype=np.uint16)
+    values[:, :8] = 1000  # the tRNS grey level
+    img = Image.frombytes("I;16", (16, 8), values.astype("<u2").tobytes())
+    seen = seen_by_engine(encode(img, "PNG", transparency=1000))
+    assert (seen[:, :8] == 255).all() and (seen[:, 8:] == round(40000 / 257)).all()
+
+
+def test_float_images_with_inf_and_nan_scale_their_finite_range() -> None:
+    values = np.tile(np.linspace(0, 4, 16, dtype=np.float32), (8, 1))
+    values[0, 0], values[0, 1], values[0, 2] = np.inf, -np.inf, np.nan
+    seen = seen_by_engine(encode(Image.fromarray(values, "F"), "TIFF"))[..., 0]
+    assert seen[1, -1] == 255 and seen[1, 0] == 0 and seen[1, 8] == round(values[1, 8] / 4 * 255)
+    assert seen[0, 0] == 255 and seen[0, 1] == 0
+
+
+def test_rules_the_installed_vllm_applies_are_skipped() -> None:
+    exif = Image.Exif()
+    exif[ORIENTATION_TAG] = 6
+    turned = encode(UPRIGHT, "JPEG", exif=exif)
+    assert normalize_image(turned) is not None
+    assert normalize_image(turned, skip=frozenset({"orientation"})) is None  # vLLM 0.32 turns it itself

@@ -89,6 +89,8 @@ async def test_start_probes_and_is_ready(make_guard: Callable[..., Any]) -> None
     assert g.sup.state is EngineState.READY and g.sup.generation == 1
     engine = g.factory.current
     assert engine.requests[0].startswith("vlguard-probe-") and engine.mm_cache_resets == 1
+    # token ids, not text: text would be tokenized on the event loop beside vLLM's tokenizer thread
+    assert engine.inputs[engine.requests[0]] == {"prompt_token_ids": [0]}
     assert g.sup.is_ready()
     assert await g.collect([1, 2, 3]) == greedy_tokens([1, 2, 3], 4)
 
