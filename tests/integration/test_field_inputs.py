@@ -4,7 +4,7 @@ shared server (no launch of its own). The whole kind of each row is covered in-p
 
 from __future__ import annotations
 
-import socket
+import http.client
 import time
 
 import httpx
@@ -71,14 +71,16 @@ def test_completions_max_tokens_null_is_the_default(server: ServerProcess, model
     assert resp.json()["usage"]["completion_tokens"] == 16  # the field's default, as vLLM 0.32 decides
 
 
-def _get(sock: socket.socket, host: str) -> bytes:
-    sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-    return sock.recv(65536)
-
-
 def test_an_idle_pooled_connection_is_kept_past_proxy_reuse(server: ServerProcess) -> None:
-    host = server.url.removeprefix("http://")
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        assert _get(sock, host).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
         time.sleep(7)  # the idle time under test: a proxy's pool reuses the connection after 7 s
-        assert _get(sock, host).startswith(b"HTTP/1.1 200")  # uvicorn's default (5 s) had closed it
+        conn.request("GET", "/health")  # uvicorn's default (5 s) had closed it: RemoteDisconnected here
+        again = conn.getresponse()
+        assert again.status == 200 and again.read() and conn.sock is sock  # the same connection
+    finally:
+        conn.close()
