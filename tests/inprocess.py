@@ -82,6 +82,7 @@ class Api:
     supervisor: Supervisor
     factory: FakeEngineFactory
     model: str
+    app: Any = None
 
     @property
     def engine(self) -> Any:
@@ -108,4 +109,4 @@ async def running_api(parts: EngineParts, *flags: str, poison: Iterable[int] = (
         # As uvicorn: an exception the app re-raises after answering (Starlette does for 500s) is not the client's.
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://vlguard.test", timeout=30) as client:
-            yield Api(client, supervisor, factory, parts.model)
+            yield Api(client, supervisor, factory, parts.model, app)

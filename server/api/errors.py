@@ -136,13 +136,24 @@ def install_error_handlers(app: FastAPI) -> None:
     | ``HTTPException`` | its own |
     | ``GuardError`` (``server.guard.errors``) | its ``status``: quarantined 400, unavailable 503 + ``Retry-After`` |
     | vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
-    | ``VLLMValidationError``, ``ValueError``, ``TypeError`` (bad input) | 400 |
+    | ``ValueError``, ``TypeError``, vLLM's client errors (``VLLMValidationError``, ``VLLMNotFoundError``) | 400 / 404 |
     | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
+
+    Client errors get handlers of their own rather than only the catch-all: Starlette answers a
+    catch-all ``Exception`` handler's response and then re-raises, so uvicorn logged a traceback for every
+    such 400 and closed the client's keep-alive connection.
     """
+    import vllm.exceptions as vllm_errors
     from vllm.v1.engine.exceptions import EngineDeadError
 
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(GuardError, _on_guard)
     app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    client_errors: list[type[Exception]] = [ValueError, TypeError]
+    for name in ("VLLMClientError", "VLLMValidationError", "VLLMNotFoundError"):  # 0.32 has the base class
+        if isinstance(found := getattr(vllm_errors, name, None), type):
+            client_errors.append(found)
+    for error in client_errors:
+        app.add_exception_handler(error, _on_other)
     app.add_exception_handler(Exception, _on_other)

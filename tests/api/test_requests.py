@@ -158,3 +158,12 @@ async def test_past_the_inflight_bound_is_429_with_retry_after(guarded: Api) -> 
     guarded.engine.resume()
     assert await asyncio.wait_for(asyncio.gather(*streams), 10) == [200, 200, 200]
     assert (await _chat(guarded, photo_uri("astronaut.png"))).status_code == 200
+
+
+async def test_client_errors_raised_by_vllm_are_answered_without_an_app_exception(api: Api) -> None:
+    # Starlette re-raises after a catch-all handler's answer: uvicorn then logs a traceback and closes the
+    # keep-alive connection. vLLM raises ValueError for an empty conversation (its chat template fails).
+    strict = httpx.ASGITransport(app=api.app, raise_app_exceptions=True)
+    async with httpx.AsyncClient(transport=strict, base_url="http://vlguard.test") as client:
+        resp = await client.post(CHAT, json={"model": api.model, "messages": []})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
