@@ -1,9 +1,10 @@
 """Engine-core side: record the fatal exception, and the step it broke, before the engine core dies (vLLM
 plugin ``vlguard_fatal``).
 
-In the engine-core process it wraps ``EngineCoreProc.run_busy_loop``: the scheduler's ``schedule()`` is
-wrapped to remember which requests each step carries (the request ids vLLM's scheduler gave them), and a
-fatal exception's type and message are written with the requests of the step(s) in execution to
+In the engine-core process it wraps ``EngineCoreProc.run_busy_loop``: the scheduler's ``schedule()`` and
+``update_from_output()`` are wrapped to know which steps are in execution and which requests they carry
+(the request ids vLLM's scheduler gave them), and a fatal exception's type and message are written with
+the requests of the step(s) in execution (none when ``schedule()`` itself raised) to
 ``$VLGUARD_STATE_DIR/fatal-<pid>.json`` before vLLM reports the engine dead. The supervisor reads it to
 label the death (``deepstack``, ``exception``) and to charge the quarantine only with the requests that
 could have caused it (vLLM itself only tells the API process "engine dead").
@@ -69,21 +70,58 @@ def read_fatal(state_dir: str | Path) -> FatalRecord | None:
     return None
 
 
-def _remember_steps(scheduler: Any, depth: int) -> collections.deque[tuple[list[str], list[str]]]:
-    """Wrap ``scheduler.schedule`` (this instance only) to keep the request ids of the last ``depth``
-    steps: ``(all scheduled, newly scheduled)``. Costs a list of the step's ids per step."""
-    steps: collections.deque[tuple[list[str], list[str]]] = collections.deque(maxlen=depth)
-    original = scheduler.schedule
+@dataclass
+class StepLog:
+    """The steps an engine core has scheduled and not yet finished, as ``(scheduler output id, all
+    scheduled request ids, newly scheduled ids)``, oldest first; ``failed_in_schedule`` when the last
+    ``schedule()`` itself raised (no request is known to have caused that)."""
 
-    def schedule(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
+    steps: collections.deque[tuple[int, list[str], list[str]]]
+    failed_in_schedule: bool = False
+
+    def in_execution(self) -> tuple[list[str], list[str]]:
+        """``(step requests, new requests)`` to charge: those of the steps that were executing (none when
+        the failure came from ``schedule()``)."""
+        if self.failed_in_schedule:
+            return [], []
+        return (sorted({r for _, scheduled, _ in self.steps for r in scheduled}),
+                sorted({r for _, _, new in self.steps for r in new}))  # fmt: skip
+
+
+def remember_steps(scheduler: Any, depth: int) -> StepLog:
+    """Wrap ``scheduler.schedule`` and ``scheduler.update_from_output`` (this instance only) so the log
+    holds the steps in execution: a step enters when scheduled and leaves when its output was processed
+    without error. An exception from ``schedule()`` itself, or from anything outside a step, then charges
+    no finished step's requests. Costs a list of the step's ids per step.
+
+    Arguments:
+        scheduler: vLLM's scheduler instance in the engine-core process.
+        depth: steps in execution at once (1, or the batch queue's size); the log keeps two more.
+    """
+    log = StepLog(collections.deque(maxlen=depth + 2))
+    schedule, update = scheduler.schedule, scheduler.update_from_output
+
+    def schedule_step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = schedule(*args, **kwargs)
+        except Exception:
+            log.failed_in_schedule = True
+            raise
         scheduled = list(getattr(out, "num_scheduled_tokens", None) or {})
         new = [r.req_id for r in getattr(out, "scheduled_new_reqs", None) or []]
-        steps.append((scheduled, new))
+        log.steps.append((id(out), scheduled, new))
         return out
 
-    scheduler.schedule = schedule
-    return steps
+    def update_from_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        result = update(scheduler_output, *args, **kwargs)  # raises: the step stays charged
+        for entry in log.steps:
+            if entry[0] == id(scheduler_output):
+                log.steps.remove(entry)
+                break
+        return result
+
+    scheduler.schedule, scheduler.update_from_output = schedule_step, update_from_output
+    return log
 
 
 def register() -> None:
@@ -99,15 +137,16 @@ def register() -> None:
 
         def run_busy_loop(self: Any) -> Any:
             # Steps in execution at once: 1, or the batch queue's size (pipelined scheduling).
-            steps = _remember_steps(self.scheduler, max(1, getattr(self, "batch_queue_size", 1) or 1))
+            log = remember_steps(self.scheduler, max(1, getattr(self, "batch_queue_size", 1) or 1))
             try:
                 return original(self)
             except Exception as exc:
+                step_requests, new_requests = log.in_execution()
                 record = {
                     "type": type(exc).__name__,
                     "message": str(exc)[:2000],
-                    "step_requests": sorted({r for scheduled, _ in steps for r in scheduled}),
-                    "new_requests": sorted({r for _, new in steps for r in new}),
+                    "step_requests": step_requests,
+                    "new_requests": new_requests,
                 }
                 try:
                     fatal_path(os.environ[ENV], os.getpid()).write_text(json.dumps(record))
