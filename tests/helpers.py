@@ -52,6 +52,15 @@ def _cmdline(proc: psutil.Process) -> str:
         return ""
 
 
+def process_name(proc: psutil.Process) -> str:
+    """``proc.name()``, or "" when the process is already gone (a child listed a moment ago may have
+    exited before its name is read: vLLM's start-up runs short-lived helper processes)."""
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
 def engine_core(srv: ServerProcess, timeout_s: float = 30) -> psutil.Process:
     """The server's one live ``VLLM::EngineCore`` process (waits while a replaced one is still being reaped)."""
 

@@ -22,7 +22,7 @@ from openai import OpenAI
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
-from tests.helpers import assert_session_ends, engine_core, metric, poll, sse_tokens
+from tests.helpers import assert_session_ends, engine_core, metric, poll, process_name, sse_tokens
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
@@ -229,7 +229,7 @@ def test_sigterm_during_a_rebuild_stops_cleanly(guarded: ServerProcess, notify: 
     assert guarded.proc is not None
     old = engine_core(guarded)
     old.kill()
-    poll(lambda: [p for p in guarded.children() if "EngineCore" in p.name() and p.pid != old.pid], 120,
+    poll(lambda: [p for p in guarded.children() if "EngineCore" in process_name(p) and p.pid != old.pid], 120,
          "the replacement engine core to be spawned")  # fmt: skip
     guarded.proc.send_signal(signal.SIGTERM)
     assert guarded.proc.wait(90) == -signal.SIGTERM

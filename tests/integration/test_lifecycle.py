@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import assert_session_ends, engine_core, poll, session_processes
+from tests.helpers import assert_session_ends, engine_core, poll, process_name, session_processes
 from tests.servers import REPO, ServerProcess, engine_env, free_port, vlguard_argv
 
 EAGER = ("--enforce-eager", "--guard-watchdog-interval", "0.5")
@@ -45,7 +45,7 @@ def _start(sessions: list[int], tiny_model: Path, log: Path, *flags: str, **env:
 
 def _while_building(srv: ServerProcess) -> None:
     """Wait until the first engine build has spawned its engine core (start-up in progress)."""
-    poll(lambda: any("EngineCore" in p.name() for p in srv.children()), 120, "the engine core to be spawned")
+    poll(lambda: any("EngineCore" in process_name(p) for p in srv.children()), 120, "the engine core to be spawned")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -100,7 +100,7 @@ def test_sigkill_during_a_rebuild(sessions: list[int], tiny_model: Path, tmp_pat
     srv.wait_ready()
     old = engine_core(srv)
     old.kill()
-    poll(lambda: [p for p in srv.children() if "EngineCore" in p.name() and p.pid != old.pid], 120,
+    poll(lambda: [p for p in srv.children() if "EngineCore" in process_name(p) and p.pid != old.pid], 120,
          "the replacement engine core to be spawned")  # fmt: skip
     assert srv.proc is not None
     srv.proc.send_signal(sig)
