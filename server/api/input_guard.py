@@ -119,13 +119,13 @@ class InputGuardMiddleware:
                 break
         raw = b"".join(chunks)
         try:
-            inlined = await self._check(raw)
+            rewritten = await self._check(raw)
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
             return
-        if inlined is not None:  # images normalised or inlined: hand on the rewritten body
-            raw = inlined
+        if rewritten is not None:  # images normalised or inlined: hand on the rewritten body
+            raw = rewritten
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
 

@@ -12,7 +12,7 @@ Every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``
 * ``file:`` URLs only when ``--allowed-local-media-path`` is set (vLLM then confines them to it);
 * any other scheme is refused;
 * ``mm_processor_kwargs`` may only lower the processed image size within the server's bounds
-  (:func:`check_processor_kwargs`), checked before any pixel work.
+  (:func:`requested_pixel_bounds`), checked before any pixel work.
 
 With ``--guard-image-normalize on`` (the default), ``data:`` images that a rule of
 :mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit) are replaced in the
@@ -230,7 +230,7 @@ def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBo
             HTTPStatus.SERVICE_UNAVAILABLE, "the engine is starting: mm_processor_kwargs cannot be checked yet"
         )
     if pixel_bounds is not None:
-        check_processor_kwargs(body.get("mm_processor_kwargs"), pixel_bounds)
+        requested_pixel_bounds(body.get("mm_processor_kwargs"), pixel_bounds)
     count = normalized = 0
     for part in media_parts(body):
         where, kind, url = part.where, part.kind, part.url
@@ -322,11 +322,6 @@ def requested_pixel_bounds(kwargs: Any, server: PixelBounds) -> PixelBounds:
             f"mm_processor_kwargs min_pixels={bounds.min_pixels} is above max_pixels={bounds.max_pixels}",
         )
     return bounds
-
-
-def check_processor_kwargs(kwargs: Any, server: PixelBounds) -> None:
-    """:func:`requested_pixel_bounds`, for its check only."""
-    requested_pixel_bounds(kwargs, server)
 
 
 def server_pixel_bounds(processor_config: dict[str, Any], server_kwargs: dict[str, Any] | None) -> PixelBounds | None:

@@ -230,15 +230,22 @@ async def test_replay_limit(make_guard: Callable[..., Any]) -> None:
     assert err.value.reason == "replay_limit"
 
 
+async def stalled_request(g: Guard) -> tuple[Any, asyncio.Task[list[int]]]:
+    """Pause the current engine and start a 2-token request on it: ``(engine, request task)`` once the
+    engine holds it (the start-up probe and the request)."""
+    engine = g.factory.current
+    engine.pause()
+    task = asyncio.create_task(g.collect([3], max_tokens=2))
+    await asyncio.wait_for(engine.wait_for_requests(2), WAIT_S)
+    return engine, task
+
+
 async def test_hang_is_detected_by_the_clock(make_guard: Callable[..., Any]) -> None:
     g = await make_guard(hang_timeout=60)
-    first = g.factory.current
-    first.pause()
-    task = asyncio.create_task(g.collect([3], max_tokens=2))
-    await asyncio.wait_for(first.wait_for_requests(2), WAIT_S)
+    first, task = await stalled_request(g)
     g.clock.now += 59
     await g.sup._check()
-    assert g.sup.generation == 1  # not yet
+    assert g.sup.state is EngineState.READY and g.sup.generation == 1  # not yet
     g.clock.now += 2
     await g.sup._check()
     assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([3], 2)
@@ -248,10 +255,7 @@ async def test_hang_is_detected_by_the_clock(make_guard: Callable[..., Any]) -> 
 async def test_engine_steps_without_request_output_are_not_a_hang(make_guard: Callable[..., Any]) -> None:
     # A non-streaming request yields nothing until it ends; the engine core's step outputs keep the clock.
     g = await make_guard(hang_timeout=60)
-    first = g.factory.current
-    first.pause()
-    task = asyncio.create_task(g.collect([3], max_tokens=2))
-    await asyncio.wait_for(first.wait_for_requests(2), WAIT_S)
+    first, task = await stalled_request(g)
     for _ in range(3):  # 177 s of steps with no request output
         g.clock.now += 59
         await first.engine_core.get_output_async()
