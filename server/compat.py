@@ -14,7 +14,9 @@ resolved here, newest location first, and nowhere else:
 - ``init_app_state``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22; 0.32 keeps a deprecated
   re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32).
 
-Differences in behaviour rather than location are handled where they happen, without version checks:
+``Scheduler.finish_requests`` returns ``(id, client index)`` pairs up to 0.22 and ``Request`` objects in
+0.32 (:func:`finished_requests`). Differences in behaviour rather than location are handled where they
+happen, without version checks:
 the deepstack backports probe each model class for the defects themselves (:mod:`server.patches.detect`);
 the aligned scheduler asks vLLM for an empty encoder schedule instead of building one (its shape changed
 from 4 to 5 values in 0.32); the test-only padding emulation passes vLLM's keyword arguments through.
@@ -98,3 +100,9 @@ def upstream_image_rules() -> frozenset[str]:
     if hasattr(image, "_has_transparency"):
         found.add("transparency")
     return frozenset(found)
+
+
+def finished_requests(result: Any) -> list[tuple[str, int]]:
+    """``(request id, client index)`` of what vLLM's ``Scheduler.finish_requests`` returned: such pairs
+    (0.20.0, 0.22.1) or the ``Request`` objects (0.32.0)."""
+    return [item if isinstance(item, tuple) else (item.request_id, item.client_index) for item in result]

@@ -69,6 +69,14 @@ class GuardSettings(BaseSettings):
     """Seconds the engine may take to load and compile (at start and at each restart) before that
     attempt is declared failed."""
 
+    soft_recovery: bool = True
+    """Absorb an exception raised inside one engine step without a rebuild (on/off): the engine's caches
+    are reset and every request in it is carried over onto the same engine (docs/guard.md). Device
+    errors, dead processes and hangs always rebuild."""
+
+    soft_recovery_max: int = Field(default=10, ge=0)
+    """Soft recoveries allowed within ``restart_window`` seconds; the next step fault rebuilds the engine."""
+
     restart_max: int = Field(default=5, ge=0)
     """In-process engine restarts allowed within ``restart_window`` seconds; one more and the process
     exits non-zero so systemd or Docker restart it."""

@@ -12,7 +12,10 @@
   one input, like the test fault plugin's ``VLGUARD_TEST_POISON_TOKENS``), and the fake records it the
   way vLGuard's fatal recorder does in a real engine core: a ``fatal-*.json`` naming the requests of the
   failing step (every request inside the fake at that moment: its batch) in the directory the supervisor
-  set in ``VLGUARD_STATE_DIR`` before the build. ``die()`` records nothing, like a SIGKILL.
+  set in ``VLGUARD_STATE_DIR`` before the build. ``die()`` records nothing, like a SIGKILL;
+* with ``soft=True`` the poison is absorbed instead, as a real engine core with soft recovery does
+  (:mod:`server.guard.soft`): a ``soft-*.json`` record, and every request inside the fake ends with an
+  ``ERROR`` finish and no tokens; the engine lives on.
 
 Tokens are a pure function of the token ids so far (greedy and deterministic), so a stream resumed on a
 new engine from the tokens already sent must continue exactly as an uninterrupted one.
@@ -64,9 +67,13 @@ class FakeEngine:
         poison: Iterable[int] = (),
         renderer: object | None = None,
         fatal_dir: str | None = None,
+        soft: bool = False,
         **extra: Any,
     ) -> None:
         self.generation = generation
+        self.soft = soft
+        self.soft_faults = 0
+        self._cut: set[str] = set()  # requests a soft recovery finished with ERROR, not yet told
         self.fatal_dir = fatal_dir
         self.active: set[str] = set()  # request ids inside generate() now: the fake's batch
         self.poison = tuple(poison)
@@ -138,6 +145,16 @@ class FakeEngine:
         record = {"type": type_name, "message": message, "step_requests": step, "new_requests": step}
         (Path(self.fatal_dir) / f"fatal-{self.generation}.json").write_text(json.dumps(record))
 
+    def _absorb_step_exception(self) -> None:
+        """What a real engine core's soft recovery does: record the fault, cut every request inside."""
+        assert self.fatal_dir is not None
+        self.soft_faults += 1
+        step = sorted(f"{rid}-fake0000" for rid in self.active)
+        record = {"type": "RuntimeError", "message": "vlguard test fault: poison request reached the model",
+                  "step_requests": step, "new_requests": step, "cut": step, "recovery_s": 0.001}  # fmt: skip
+        (Path(self.fatal_dir) / f"soft-{self.generation}-{self.soft_faults}.json").write_text(json.dumps(record))
+        self._cut |= self.active
+
     async def _generate(self, ids: list[int], sampling_params: Any, request_id: str) -> AsyncGenerator[Any, None]:
         from vllm.outputs import CompletionOutput, RequestOutput
         from vllm.sampling_params import RequestOutputKind
@@ -154,6 +171,15 @@ class FakeEngine:
             await self._step()
             if self._dead.is_set():
                 raise EngineDeadError()
+            if step == 0 and self._poisoned(ids) and self.soft:
+                self._absorb_step_exception()
+            if request_id in self._cut:
+                self._cut.discard(request_id)
+                yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                                    outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                                              logprobs=None, finish_reason="error")],
+                                    finished=True)  # fmt: skip
+                return
             if step == 0 and self._poisoned(ids):
                 self._record_step_exception("RuntimeError", "vlguard test fault: poison request reached the model")
                 self.die()

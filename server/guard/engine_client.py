@@ -9,6 +9,8 @@ current. When the engine dies under a request:
 * a stream that already sent tokens is **resumed**: the new engine continues from the prompt plus the
   tokens already sent, with ``max_tokens`` lowered by as many, so the client's stream goes on without a
   gap or a duplicate (greedy streams are token-identical to uninterrupted ones);
+* a request that a soft recovery cut (:mod:`server.guard.soft`: the engine finished it with ``ERROR``
+  and recorded why) is carried over the same way, onto the same engine;
 * a request with a strike (it was in the failing step of an earlier fault) runs on probation, isolated
   (:mod:`server.guard.inflight`), so its next fault is charged to it alone;
 * where resuming is impossible (``n > 1``, cumulative outputs, a prompt without token ids) or the
@@ -54,6 +56,20 @@ def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[An
         params.max_tokens = max(1, params.max_tokens - len(sent))
     params.min_tokens = max(0, (params.min_tokens or 0) - len(sent))
     return resumed, params
+
+
+def _error_finish(output: RequestOutput) -> bool:
+    """Whether vLLM finished this request with ``ERROR`` (soft recovery cuts requests that way)."""
+    return bool(output.finished) and any(c.finish_reason == "error" for c in output.outputs)
+
+
+def _unfinish(output: RequestOutput) -> None:
+    """Make a cut request's last output an ordinary one: it may carry tokens of earlier steps (outputs not
+    yet read are merged), which are delivered; the finish is not."""
+    output.finished = False
+    for completion in output.outputs:
+        completion.finish_reason = None
+        completion.stop_reason = None
 
 
 class GuardedEngineClient:
@@ -108,9 +124,17 @@ class GuardedEngineClient:
                 # The death is reported while this request is still on the ledger: it was in flight.
                 with sup.inflight.entered(request_id, fp, generation):
                     try:
+                        cut = False
                         async for output in engine.generate(attempt_prompt, attempt_params, request_id, **kwargs):
                             sup.note_progress()
-                            if suspect:
+                            # A soft recovery finished it (always its last output): deliver the tokens of
+                            # earlier steps it may carry, not the finish; then carry the request over.
+                            cut = _error_finish(output) and request_id in sup.absorb_soft_faults(generation)
+                            if cut:
+                                _unfinish(output)
+                                if not (delta and single and output.outputs and output.outputs[0].token_ids):
+                                    continue
+                            elif suspect:
                                 sup.inflight.suspect_progressed()
                             if sent and original_prompt_ids is not None:
                                 output.prompt_token_ids = original_prompt_ids
@@ -118,10 +142,12 @@ class GuardedEngineClient:
                                 sent.extend(output.outputs[0].token_ids)
                             yielded = True
                             yield output
-                        return
+                        if not cut:
+                            return
                     except EngineDeadError:
                         sup.report_death(generation)
-            # The engine died under this request: quarantine, then replay or resume on the next engine.
+            # The engine died under this request, or cut it in a soft recovery: quarantine, then replay or
+            # resume on the current engine.
             self._check_quarantine(fp)
             carries += 1
             if carries > sup.settings.max_replays:
@@ -132,7 +158,7 @@ class GuardedEngineClient:
                 raise NotResumableError("engine restarted after output was sent; this request cannot be resumed")
             (m.REQUESTS_RESUMED if sent else m.REQUESTS_REPLAYED).inc()
             logger.warning(
-                "request %s (%s) carried to the next engine: %s",
+                "request %s (%s) carried over: %s",
                 request_id, fp, f"resume after {len(sent)} tokens" if sent else "replay",
             )  # fmt: skip
 

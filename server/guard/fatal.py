@@ -7,7 +7,8 @@ In the engine-core process it wraps ``EngineCoreProc.run_busy_loop``: the schedu
 the requests of the step(s) in execution (none when ``schedule()`` itself raised) to
 ``$VLGUARD_STATE_DIR/fatal-<pid>.json`` before vLLM reports the engine dead. The supervisor reads it to
 label the death (``deepstack``, ``exception``) and to charge the quarantine only with the requests that
-could have caused it (vLLM itself only tells the API process "engine dead").
+could have caused it (vLLM itself only tells the API process "engine dead"). The same wrapper installs
+soft recovery (:mod:`server.guard.soft`), which absorbs most step faults before they get here.
 
 The supervisor gives each engine it builds a directory of its own (``VLGUARD_STATE_DIR`` is set before
 the build and inherited by the engine-core process), so a record always belongs to one engine.
@@ -138,6 +139,12 @@ def register() -> None:
         def run_busy_loop(self: Any) -> Any:
             # Steps in execution at once: 1, or the batch queue's size (pipelined scheduling).
             log = remember_steps(self.scheduler, max(1, getattr(self, "batch_queue_size", 1) or 1))
+            try:
+                from server.guard import soft
+
+                soft.install(self, log, soft.SoftPolicy.from_env())
+            except Exception:
+                logger.exception("vlguard: soft recovery not installed; every step fault rebuilds the engine")
             try:
                 return original(self)
             except Exception as exc:

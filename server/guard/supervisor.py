@@ -34,6 +34,10 @@ from server.guard.errors import EngineUnavailableError
 from server.guard.fatal import FatalRecord, read_fatal
 from server.guard.inflight import InflightLedger
 from server.guard.quarantine import Quarantine
+from server.guard.soft import ENABLED_ENV as SOFT_ENABLED_ENV
+from server.guard.soft import MAX_ENV as SOFT_MAX_ENV
+from server.guard.soft import WINDOW_ENV as SOFT_WINDOW_ENV
+from server.guard.soft import SoftFault, read_soft_faults
 from server.guard.watchdog import DeathCause
 from server.metrics import definitions as m
 from server.metrics.registry import mark_process_dead
@@ -73,14 +77,14 @@ PROBE_PROMPT_IDS = (0,)
 _CHILD_PREFIX = re.compile(r"^\d+_")  # vLLM's ids of an n > 1 request's samples: "<index>_<request id>"
 
 
-def charged_requests(inflight: dict[str, str], record: FatalRecord | None) -> list[str]:
-    """The in-flight request ids a death is charged to: those in the step the engine core recorded as
+def charged_requests(inflight: dict[str, str], record: FatalRecord | SoftFault | None) -> list[str]:
+    """The in-flight request ids a fault is charged to: those in the step the engine core recorded as
     failing. vLLM's engine-side ids are ``<request id>-<8 hex>``, and ``<index>_<request id>-<8 hex>`` for
     the samples of an ``n > 1`` request.
 
     Arguments:
         inflight: request id -> fingerprint of the requests inside the dead engine.
-        record: what its engine core recorded, or None.
+        record: what its engine core recorded (before dying, or when it absorbed the fault), or None.
 
     Returns:
         Sorted request ids; empty without a record (a SIGKILL, segfault or OOM kill of the engine core, or
@@ -88,11 +92,17 @@ def charged_requests(inflight: dict[str, str], record: FatalRecord | None) -> li
     """
     if record is None or not record.step_requests:
         return []
-    in_step = set()
-    for engine_id in record.step_requests:
+    return sorted(rid for rid in inflight if rid in api_ids(record.step_requests))
+
+
+def api_ids(engine_ids: list[str]) -> set[str]:
+    """Every id an API-side request may go by for these engine-side ids (the id itself, without its
+    suffix, and without an ``n > 1`` sample's prefix)."""
+    ids = set()
+    for engine_id in engine_ids:
         base = engine_id.rsplit("-", 1)[0]
-        in_step |= {engine_id, base, _CHILD_PREFIX.sub("", base)}
-    return sorted(rid for rid in inflight if rid in in_step)
+        ids |= {engine_id, base, _CHILD_PREFIX.sub("", base)}
+    return ids
 
 
 def _in_daemon_thread(fn: Callable[[], Engine]) -> asyncio.Future[Engine]:
@@ -193,6 +203,8 @@ class Supervisor:
         self.last_progress = clock()  # hang clock: last output, or when work arrived at an idle engine
         self.last_output = 0.0  # readiness: real output is as good as a probe
         self.probe_ok_at: float | None = None
+        self._soft_read: set[str] = set()  # soft-fault records of the current engine already counted
+        self._soft_cut: set[str] = set()  # API-side ids of the requests they cut
         self._set_state(EngineState.STOPPED)
         m.RESTART_BUDGET.set(settings.restart_max)
 
@@ -302,7 +314,11 @@ class Supervisor:
     async def _bring_up(self) -> None:
         fatal_dir = self.engine_dir(self.generation + 1)
         fatal_dir.mkdir(parents=True, exist_ok=True)
-        os.environ[fatal.ENV] = str(fatal_dir)  # inherited by the engine-core process this build spawns
+        # Inherited by the engine-core process this build spawns (server.guard.fatal, server.guard.soft).
+        os.environ[fatal.ENV] = str(fatal_dir)
+        os.environ[SOFT_ENABLED_ENV] = "on" if self.settings.soft_recovery else "off"
+        os.environ[SOFT_MAX_ENV] = str(self.settings.soft_recovery_max)
+        os.environ[SOFT_WINDOW_ENV] = str(self.settings.restart_window)
         building = self._building = _in_daemon_thread(self.engine_factory)
         try:
             # shield: a cancelled wait (shutdown) leaves the build to shutdown(), which ends it
@@ -322,6 +338,7 @@ class Supervisor:
         if self._serving_renderer is None:
             self._serving_renderer = engine.renderer
         self._pids = watchdog.engine_core_pids(engine)
+        self._soft_read, self._soft_cut = set(), set()
         self.generation += 1
         self.last_progress = self.last_output = self.clock()
         if self.generation > 1:  # a restart: freeze the new engine's objects, as the app does at start-up
@@ -376,11 +393,7 @@ class Supervisor:
         m.ENGINE_DEATHS.labels(cause=cause.value).inc()
         inflight = self.inflight.requests(generation)
         charged = charged_requests(inflight, record)
-        if charged:
-            m.QUARANTINE_STRIKES.labels(evidence="step_exception").inc(len(charged))
-        for fp in self.quarantine.record_death(inflight[rid] for rid in charged):
-            logger.error("request %s quarantined: in the failing step at %d engine faults", fp, self.quarantine.deaths)
-        m.QUARANTINED.set(self.quarantine.quarantined_count())
+        self._charge(inflight, charged)
         logger.error(
             "engine generation %d died (cause: %s) with %d request(s) in flight; %s; restarting in-process",
             generation, cause.value, len(inflight),
@@ -389,6 +402,46 @@ class Supervisor:
             if charged else "no request charged (no step raised: a kill, crash or hang is no evidence against one)",
         )  # fmt: skip
         self._restart_task = asyncio.create_task(self._restart(), name="vlguard-restart")
+
+    def _charge(self, inflight: dict[str, str], charged: list[str]) -> None:
+        """Give each charged request (id -> fingerprint in ``inflight``) a strike."""
+        if charged:
+            m.QUARANTINE_STRIKES.labels(evidence="step_exception").inc(len(charged))
+        for fp in self.quarantine.record_death(inflight[rid] for rid in charged):
+            logger.error("request %s quarantined: in the failing step at %d engine faults", fp, self.quarantine.deaths)
+        m.QUARANTINED.set(self.quarantine.quarantined_count())
+
+    def absorb_soft_faults(self, generation: int) -> set[str]:
+        """Count the faults engine ``generation`` absorbed since the last call (soft recovery,
+        :mod:`server.guard.soft`): metrics, quarantine strikes for the requests of each failing step, a log
+        line each. Called by the engine client when a request ends in an ``ERROR`` finish, and by the
+        watchdog.
+
+        Returns:
+            API-side ids of every request this engine cut for the guard to carry over (empty for a stale
+            generation).
+        """
+        if generation != self.generation:
+            return set()
+        for name, record in read_soft_faults(self.engine_dir(generation), skip=self._soft_read):
+            self._soft_read.add(name)
+            self._soft_cut |= api_ids(record.cut)
+            cause = watchdog.exception_cause(record.describe())
+            m.ENGINE_DEATHS.labels(cause=cause.value).inc()
+            m.ENGINE_RECOVERIES.labels(kind="soft").inc()
+            m.RECOVERY_DURATION.labels(kind="soft").observe(record.recovery_s)
+            inflight = self.inflight.requests(generation)
+            charged = charged_requests(inflight, record)
+            self._charge(inflight, charged)
+            logger.error(
+                "engine generation %d: step fault (cause: %s) absorbed in %.3f s; %d request(s) cut and carried "
+                "over; %s: %s",
+                generation, cause.value, record.recovery_s, len(record.cut),
+                f"charged to the {len(charged)} request(s) of the failing step: "
+                + ", ".join(sorted({inflight[r] for r in charged}))
+                if charged else "no request charged", record.describe()[:500],
+            )  # fmt: skip
+        return self._soft_cut
 
     async def _teardown(self) -> None:
         engine, self._engine = self._engine, None
@@ -436,6 +489,8 @@ class Supervisor:
                 continue
             m.ENGINE_RESTARTS.labels(outcome="success").inc()
             m.RESTART_DURATION.observe(self.clock() - died_at)
+            m.ENGINE_RECOVERIES.labels(kind="rebuild").inc()
+            m.RECOVERY_DURATION.labels(kind="rebuild").observe(self.clock() - died_at)
             logger.info("engine restarted in %.1f s (generation %d)", self.clock() - died_at, self.generation)
             return
 
@@ -456,6 +511,7 @@ class Supervisor:
         if self.state is not EngineState.READY or self._engine is None:
             return
         engine, generation = self._engine, self.generation
+        self.absorb_soft_faults(generation)
         problem = watchdog.process_problem(self._pids)
         if problem is None and engine.errored:
             problem = watchdog.classify(read_fatal(self.engine_dir(generation)), self._pids)

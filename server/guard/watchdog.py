@@ -105,11 +105,14 @@ def classify(record: FatalRecord | None, pids: list[int]) -> DeathCause:
         record: what the engine core recorded before dying (see :mod:`server.guard.fatal`), or None.
         pids: the engine-core PIDs, to tell a killed process from an exception.
     """
-    if record is not None and "deepstack" in record.describe():
-        return DeathCause.DEEPSTACK
     if record is not None:
-        return DeathCause.EXCEPTION
+        return exception_cause(record.describe())
     return process_problem(pids) or DeathCause.PROCESS_EXIT
+
+
+def exception_cause(description: str) -> DeathCause:
+    """The cause of a fault an engine step raised, from its ``"<Type>: <message>"``."""
+    return DeathCause.DEEPSTACK if "deepstack" in description else DeathCause.EXCEPTION
 
 
 def on_engine_core_output(engine: Any, callback: Callable[[], None]) -> bool:

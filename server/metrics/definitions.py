@@ -74,7 +74,9 @@ RESTART_BUDGET = Gauge(
     multiprocess_mode="mostrecent",
 )
 ENGINE_DEATHS = Counter(
-    "vlguard_engine_deaths", "Engine deaths, by cause (deepstack, process_exit, hang, exception).", ["cause"]
+    "vlguard_engine_deaths",
+    "Engine faults, by cause (deepstack, process_exit, hang, exception), whether recovered softly or by a rebuild.",
+    ["cause"],
 )
 ENGINE_RESTARTS = Counter(
     "vlguard_engine_restarts", "In-process engine restart attempts, by outcome (success, failure).", ["outcome"]
@@ -83,6 +85,17 @@ RESTART_DURATION = Histogram(
     "vlguard_engine_restart_duration_seconds",
     "From the engine's death to the new engine READY.",
     buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+)
+ENGINE_RECOVERIES = Counter(
+    "vlguard_engine_recoveries",
+    "Engine faults recovered, by kind (soft: absorbed inside the live engine; rebuild: a new engine built).",
+    ["kind"],
+)
+RECOVERY_DURATION = Histogram(
+    "vlguard_engine_recovery_duration_seconds",
+    "From an engine fault to the engine accepting work again, by kind (soft, rebuild).",
+    ["kind"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
 )
 REQUESTS_HELD = Gauge(
     "vlguard_requests_held", "Requests waiting for the engine to become READY.", multiprocess_mode="mostrecent"
@@ -132,6 +145,9 @@ for _cause in ("deepstack", "process_exit", "hang", "exception"):
     ENGINE_DEATHS.labels(cause=_cause)
 for _outcome in ("success", "failure"):
     ENGINE_RESTARTS.labels(outcome=_outcome)
+for _kind in ("soft", "rebuild"):
+    ENGINE_RECOVERIES.labels(kind=_kind)
+    RECOVERY_DURATION.labels(kind=_kind)
 QUARANTINE_STRIKES.labels(evidence="step_exception")
 for _reason in ("media", "body", "body_too_large", "overload"):
     REQUESTS_REJECTED.labels(reason=_reason)

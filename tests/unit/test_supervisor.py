@@ -222,6 +222,46 @@ async def test_poison_is_quarantined_and_innocents_are_not(make_guard: Callable[
     assert "again" not in g.factory.current.requests
 
 
+async def test_soft_recovery_quarantines_the_poison_without_a_rebuild(make_guard: Callable[..., Any]) -> None:
+    """#15: the engine absorbs each fault (ERROR finishes + a soft-fault record); the guard carries the cut
+    requests over onto the same engine, charges only the failing step's, and quarantines the poison."""
+    g = await make_guard(FakeEngineFactory(poison=[POISON], soft=True), quarantine_deaths=2, max_replays=5)
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    # Streams (the fake yields every step; vLLM's non-streaming requests yield nothing before they end).
+    innocents = [asyncio.create_task(g.collect([7, i], stream=True, rid=f"ok{i}")) for i in range(3)]
+    stream = asyncio.create_task(g.collect([5], max_tokens=6, stream=True, rid="s"))
+    poison = asyncio.create_task(g.collect([1, POISON], rid="poison"))
+    await asyncio.wait_for(engine.wait_for_requests(seen + 5), WAIT_S)
+    engine.resume()
+    with pytest.raises(QuarantinedRequestError):
+        await asyncio.wait_for(poison, WAIT_S)
+    assert await asyncio.wait_for(asyncio.gather(*innocents), WAIT_S) == [greedy_tokens([7, i], 4) for i in range(3)]
+    assert await asyncio.wait_for(stream, WAIT_S) == greedy_tokens([5], 6)
+    assert (g.sup.generation, engine.soft_faults, g.factory.attempts) == (1, 2, 1)  # no rebuild
+    assert g.sup.quarantine.quarantined_count() == 1  # the poison alone
+
+
+async def test_an_error_finish_without_a_soft_recovery_is_passed_through(make_guard: Callable[..., Any]) -> None:
+    """An ERROR finish vLLM gives for its own reasons (a grammar that rejects tokens, a failed KV load) is
+    the request's answer, not a fault: no replay."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    g = await make_guard()
+    engine = g.factory.current
+
+    async def errors(prompt: Any, params: Any, request_id: str, **_: Any) -> Any:
+        done = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                finish_reason="error")  # fmt: skip
+        yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[1], prompt_logprobs=None,
+                            outputs=[done], finished=True)  # fmt: skip
+
+    engine.generate = errors
+    outputs = [o async for o in g.client.generate({"prompt_token_ids": [1]}, SamplingParams(max_tokens=2), "e")]
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error"]
+
+
 async def test_replay_limit(make_guard: Callable[..., Any]) -> None:
     g = await make_guard(max_replays=1, quarantine_deaths=10)
     task = asyncio.create_task(g.collect([1, POISON], rid="p"))

@@ -1,0 +1,287 @@
+"""Engine-core side of soft recovery: absorb an exception raised inside one engine step, keep the process.
+
+Installed with the fatal recorder (:mod:`server.guard.fatal`, plugin ``vlguard_fatal``) in the engine-core
+process, on the engine core's ``step_fn``: the step that schedules, runs the model in the worker (an
+exception there comes back through the executor) and processes the output. When a step raises and
+:class:`SoftPolicy` allows it, :func:`absorb`:
+
+1. waits for the batches still in execution (pipelined scheduling) and checks the device with one
+   synchronising call in every worker (a poisoned CUDA context fails it: then it escalates);
+2. finishes **every** request the scheduler holds with ``FINISHED_ERROR`` (their KV blocks, encoder-cache
+   entries and worker-side state are freed; the model runner drops them with the next step);
+3. resets the prefix cache (no block is in use any more, so no block written in the failed step can be
+   served again), the encoder cache (scheduler and workers) and the engine-side multimodal cache;
+4. writes ``soft-<pid>-<n>.json`` in ``$VLGUARD_STATE_DIR`` (the exception, the failing step's requests,
+   every request cut), then sends each cut request an ``ERROR`` finish with no tokens.
+
+The API-side guard sees those finishes, reads the record (:meth:`Supervisor.absorb_soft_faults`) and
+carries each cut request over onto the same engine exactly as after a death: replayed when nothing was
+sent, resumed from the tokens sent otherwise, charged and isolated when it was in the failing step.
+The deepstack buffer, the weights, the compiled model and captured graphs are untouched.
+
+Escalation (the exception is re-raised: the engine core dies and the guard rebuilds) is decided by
+:class:`SoftPolicy`. Settings come from the environment the supervisor sets before each build
+(``VLGUARD_SOFT_RECOVERY``, ``VLGUARD_SOFT_RECOVERY_MAX``, ``VLGUARD_SOFT_RECOVERY_WINDOW``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.guard.fatal import ENV as STATE_DIR_ENV
+from server.guard.fatal import StepLog
+
+ENABLED_ENV = "VLGUARD_SOFT_RECOVERY"
+MAX_ENV = "VLGUARD_SOFT_RECOVERY_MAX"
+WINDOW_ENV = "VLGUARD_SOFT_RECOVERY_WINDOW"
+logger = logging.getLogger("vllm.vlguard.soft")
+
+#: Exceptions after which the device context cannot be trusted (CUDA/ROCm runtime, cuBLAS/cuDNN, NCCL,
+#: device-side asserts): matched against ``"<type>: <message>"``, case-insensitively.
+DEVICE_POISON = re.compile(
+    r"CUDA error|CUDA driver error|cuda runtime error|HIP error|CUBLAS_STATUS|CUDNN_STATUS|cuDNN error|"
+    r"device-side assert|illegal memory access|illegal instruction|misaligned address|NCCL error|"
+    r"unspecified launch failure|uncorrectable ECC|AcceleratorError",
+    re.IGNORECASE,
+)
+
+
+def device_poisoned(exc: BaseException) -> bool:
+    """Whether ``exc`` reads as a device error that poisons the context (a rebuild is needed)."""
+    return bool(DEVICE_POISON.search(f"{type(exc).__name__}: {exc}"))
+
+
+def request_bases(engine_ids: Iterable[str]) -> set[str]:
+    """The API-side request ids behind engine-side ids: ``<request id>-<8 hex>`` loses its suffix (a replay
+    of the same request gets a new one)."""
+    return {rid.rsplit("-", 1)[0] for rid in engine_ids}
+
+
+@dataclass
+class SoftPolicy:
+    """When a step's exception may be absorbed, and when it must escalate to a rebuild.
+
+    Arguments:
+        enabled: ``--guard-soft-recovery``.
+        max_recoveries: ``--guard-soft-recovery-max``: soft recoveries allowed within ``window_s``.
+        window_s: ``--guard-restart-window`` (seconds).
+        clock: monotonic seconds.
+    """
+
+    enabled: bool = True
+    max_recoveries: int = 10
+    window_s: float = 600.0
+    clock: Callable[[], float] = time.monotonic
+    _times: collections.deque[float] = field(default_factory=collections.deque)
+    #: API-side ids of the last failing step's requests, until a step that ran the model has passed.
+    _after_recovery: set[str] | None = None
+
+    @classmethod
+    def from_env(cls) -> SoftPolicy:
+        """The policy the supervisor asked for (environment variables; defaults when unset)."""
+        return cls(
+            enabled=os.environ.get(ENABLED_ENV, "on").strip().lower() not in ("off", "0", "false", "no"),
+            max_recoveries=int(os.environ.get(MAX_ENV) or 10),
+            window_s=float(os.environ.get(WINDOW_ENV) or 600.0),
+        )
+
+    def escalation(self, exc: BaseException, step_requests: Iterable[str]) -> str | None:
+        """Why this fault must escalate to a rebuild, or None to absorb it.
+
+        A second fault in the first step after a soft recovery escalates unless that step holds a request
+        of the step that failed before (a poison input failing again is the quarantine's business, not a
+        sign the recovery left the engine broken).
+        """
+        if not self.enabled:
+            return "soft recovery is off"
+        if device_poisoned(exc):
+            return "device error"
+        if self._after_recovery is not None and not (request_bases(step_requests) & self._after_recovery):
+            return "a new fault in the first step after a soft recovery"
+        now = self.clock()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_recoveries:
+            return f"{len(self._times)} soft recoveries within {self.window_s:g} s"
+        return None
+
+    def absorbed(self, step_requests: Iterable[str]) -> None:
+        """A fault was absorbed: count it; the next step that runs the model is on watch."""
+        self._times.append(self.clock())
+        self._after_recovery = request_bases(step_requests)
+
+    def step_passed(self) -> None:
+        """A step that ran the model finished without error."""
+        self._after_recovery = None
+
+
+@dataclass(frozen=True)
+class SoftFault:
+    """What an engine core recorded when it absorbed a fault (``soft-<pid>-<n>.json``).
+
+    Attributes:
+        type, message: the exception (message at most 2000 characters).
+        step_requests, new_requests: engine-side ids of the failing step('s requests), as in
+            :class:`server.guard.fatal.FatalRecord`.
+        cut: engine-side ids of every request finished with ``ERROR`` for the guard to carry over.
+        recovery_s: seconds from the exception to the engine accepting work again.
+    """
+
+    type: str
+    message: str
+    step_requests: list[str]
+    new_requests: list[str]
+    cut: list[str]
+    recovery_s: float
+
+    def describe(self) -> str:
+        """``"<Type>: <message>"``."""
+        return f"{self.type}: {self.message}"
+
+
+def read_soft_faults(state_dir: str | Path, skip: Iterable[str] = ()) -> list[tuple[str, SoftFault]]:
+    """The soft-fault records in ``state_dir`` (an engine's own directory) whose file names are not in
+    ``skip``, oldest first, as ``(file name, record)``. Unreadable files are skipped (read again later)."""
+    seen, found = set(skip), []
+    paths = sorted(Path(state_dir).glob("soft-*.json"), key=lambda p: (len(p.name), p.name))
+    for path in paths:
+        if path.name in seen:
+            continue
+        try:
+            data = json.loads(path.read_text())
+            record = SoftFault(
+                type=str(data["type"]),
+                message=str(data["message"]),
+                step_requests=[str(r) for r in data["step_requests"]],
+                new_requests=[str(r) for r in data["new_requests"]],
+                cut=[str(r) for r in data["cut"]],
+                recovery_s=float(data["recovery_s"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append((path.name, record))
+    return found
+
+
+def _synchronize_device(worker: Any) -> bool:
+    """Run in each worker: wait for the device to finish its work (raises on a poisoned context)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return True
+
+
+class _Unabsorbable(Exception):
+    pass
+
+
+def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int) -> SoftFault:
+    """Make the engine core trustworthy again after ``exc`` (see the module docstring, steps 1-4).
+
+    Arguments:
+        core: vLLM's ``EngineCoreProc``.
+        exc: what the step raised.
+        log: the steps in execution (their requests are charged).
+        started: ``time.monotonic()`` when the step raised.
+        seq: this engine core's soft-recovery count (names the record).
+
+    Returns:
+        The record written.
+
+    Raises:
+        Exception: the device check failed or a cache could not be reset: the caller escalates.
+    """
+    from vllm.v1.request import RequestStatus
+
+    from server.compat import finished_requests
+
+    step_requests, new_requests = log.in_execution()
+    queue = getattr(core, "batch_queue", None)
+    while queue:  # batches still executing in the worker: let them end, their results are dropped
+        future = queue.pop()[0]
+        try:
+            future.result()
+        except Exception:  # the step that raised first is the one recorded
+            continue
+    core.model_executor.collective_rpc(_synchronize_device, timeout=30)
+    scheduler = core.scheduler
+    cut = finished_requests(scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR))
+    log.steps.clear()
+    log.failed_in_schedule = False
+    if isinstance(prev := getattr(scheduler, "prev_step_scheduled_req_ids", None), set):
+        prev.clear()
+    if not scheduler.reset_prefix_cache():
+        raise _Unabsorbable("the prefix cache could not be reset (blocks still in use)")
+    core.reset_encoder_cache()
+    core.reset_mm_cache()
+    record = SoftFault(
+        type=type(exc).__name__,
+        message=str(exc)[:2000],
+        step_requests=step_requests,
+        new_requests=new_requests,
+        cut=sorted(rid for rid, _ in cut),
+        recovery_s=time.monotonic() - started,
+    )
+    path = Path(os.environ[STATE_DIR_ENV]) / f"soft-{os.getpid()}-{seq}.json"
+    path.write_text(json.dumps(record.__dict__))  # before the finishes: the guard reads it when one arrives
+    _send_error_finishes(core, cut)
+    return record
+
+
+def _send_error_finishes(core: Any, cut: list[tuple[str, int]]) -> None:
+    """One ``ERROR`` finish with no tokens per cut request, to the API-side client that sent it."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    by_client: dict[int, list[str]] = collections.defaultdict(list)
+    for rid, client in cut:
+        by_client[client].append(rid)
+    for client, rids in by_client.items():
+        outputs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in rids]
+        core.output_queue.put_nowait((client, EngineCoreOutputs(outputs=outputs, finished_requests=set(rids))))
+
+
+def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
+    """Wrap ``core.step_fn`` (this instance) so that a step's exception is absorbed where ``policy``
+    allows it and re-raised otherwise (the engine core then dies as before and the guard rebuilds)."""
+    step = core.step_fn
+    seq = 0
+
+    def guarded_step() -> Any:
+        nonlocal seq
+        try:
+            outputs, model_executed = step()
+        except Exception as exc:
+            started = time.monotonic()
+            step_requests = log.in_execution()[0]
+            why = policy.escalation(exc, step_requests)
+            if why is not None:
+                logger.error("vlguard: engine step failed (%s: %s); not absorbed: %s", type(exc).__name__, exc, why)
+                raise
+            try:
+                seq += 1
+                record = absorb(core, exc, log, started, seq)
+            except Exception as failure:
+                logger.error("vlguard: soft recovery failed (%s: %s); escalating to a rebuild",
+                             type(failure).__name__, failure)  # fmt: skip
+                raise exc from None
+            policy.absorbed(step_requests)
+            logger.warning(
+                "vlguard: engine step failed (%s); absorbed in %.3f s: %d request(s) cut for the guard to carry over",
+                record.describe()[:300], record.recovery_s, len(record.cut),
+            )  # fmt: skip
+            return {}, False
+        if model_executed:
+            policy.step_passed()
+        return outputs, model_executed
+
+    core.step_fn = guarded_step

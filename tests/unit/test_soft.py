@@ -1,0 +1,186 @@
+"""Soft recovery's engine-core side without an engine: when a fault is absorbed or escalates, the record,
+and the order of what absorbing does (the record exists before any request hears of the fault)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.guard import soft
+from server.guard.fatal import remember_steps
+from server.guard.soft import SoftPolicy, device_poisoned, read_soft_faults
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Worker failed with error 'CUDA error: an illegal memory access was encountered'",
+        "CUDA error: device-side assert triggered",
+        "CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx",
+        "NCCL error: unhandled cuda error",
+    ],
+)
+def test_device_errors_escalate(message: str) -> None:
+    assert device_poisoned(RuntimeError(message))
+    assert SoftPolicy().escalation(RuntimeError(message), ["a-1"]) == "device error"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("Requested more deepstack tokens than available in buffer"),
+        RuntimeError("Worker failed with error 'vlguard test fault: poison request reached the model'"),
+        AssertionError("encoder cache miss"),
+        RuntimeError("CPU out of memory: tried to allocate 2.00 GiB"),
+    ],
+)
+def test_step_exceptions_are_absorbed(exc: Exception) -> None:
+    assert not device_poisoned(exc)
+    assert SoftPolicy().escalation(exc, ["a-1"]) is None
+
+
+def test_off_escalates_everything() -> None:
+    assert SoftPolicy(enabled=False).escalation(ValueError("x"), []) == "soft recovery is off"
+
+
+def test_a_new_fault_in_the_first_step_after_a_recovery_escalates_unless_the_suspect_is_in_it() -> None:
+    policy = SoftPolicy()
+    policy.absorbed(["poison-0000aaaa", "ok-0000bbbb"])
+    # The poison's replay (a new engine-side suffix) fails again: the quarantine's business, absorbed.
+    assert policy.escalation(ValueError("x"), ["poison-1111cccc"]) is None
+    # A fault in that first step holding none of the previous step's requests: the recovery left it broken.
+    assert (
+        policy.escalation(ValueError("x"), ["other-2222dddd"]) == "a new fault in the first step after a soft recovery"
+    )
+    assert policy.escalation(ValueError("x"), []) is not None  # schedule() itself raised
+    policy.step_passed()
+    assert policy.escalation(ValueError("x"), ["other-2222dddd"]) is None
+
+
+def test_more_than_max_recoveries_in_the_window_escalates() -> None:
+    clock = Clock()
+    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=clock)
+    for _ in range(2):
+        assert policy.escalation(ValueError("x"), ["a-1"]) is None
+        policy.absorbed(["a-1"])
+        policy.step_passed()
+    assert policy.escalation(ValueError("x"), ["a-1"]) == "2 soft recoveries within 60 s"
+    clock.now += 61
+    assert policy.escalation(ValueError("x"), ["a-1"]) is None
+
+
+def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(soft.ENABLED_ENV, "off")
+    monkeypatch.setenv(soft.MAX_ENV, "3")
+    monkeypatch.setenv(soft.WINDOW_ENV, "30.5")
+    policy = SoftPolicy.from_env()
+    assert (policy.enabled, policy.max_recoveries, policy.window_s) == (False, 3, 30.5)
+
+
+def test_records_are_read_once_in_order_and_bad_files_skipped(tmp_path: Path) -> None:
+    def write(name: str, **fields: Any) -> None:
+        base = {"type": "ValueError", "message": "m", "step_requests": [], "new_requests": [], "cut": [],
+                "recovery_s": 0.01}  # fmt: skip
+        (tmp_path / name).write_text(json.dumps({**base, **fields}))
+
+    write("soft-7-10.json", cut=["c-1"])
+    write("soft-7-2.json", cut=["b-1"])
+    (tmp_path / "soft-7-3.json").write_text("{not json")
+    (tmp_path / "fatal-7.json").write_text("{}")
+    found = read_soft_faults(tmp_path)
+    assert [(name, r.cut) for name, r in found] == [("soft-7-2.json", ["b-1"]), ("soft-7-10.json", ["c-1"])]
+    assert read_soft_faults(tmp_path, skip=[name for name, _ in found]) == []
+
+
+class FakeScheduler:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.requests = {"a-1": object(), "b-2": object()}
+
+    def schedule(self) -> Any:
+        return type("Out", (), {"num_scheduled_tokens": dict.fromkeys(self.requests, 1), "scheduled_new_reqs": []})()
+
+    def update_from_output(self, out: Any, model_output: Any) -> dict[int, Any]:
+        return {}
+
+    def finish_requests(self, ids: list[str], status: Any) -> list[tuple[str, int]]:
+        self.events.append("finish")
+        cut = [(rid, 0) for rid in ids]
+        self.requests.clear()
+        return cut
+
+    def reset_prefix_cache(self) -> bool:
+        self.events.append("reset_prefix_cache")
+        return True
+
+
+class FakeCore:
+    """The parts of vLLM's ``EngineCoreProc`` that soft recovery uses; its step raises in execution."""
+
+    def __init__(self, events: list[str], tmp_path: Path) -> None:
+        self.events = events
+        self.tmp_path = tmp_path
+        self.scheduler = FakeScheduler(events)
+        self.model_executor = self
+        self.output_queue = self
+        self.batch_queue = None
+        self.fail: Exception | None = ValueError("Requested more deepstack tokens than available in buffer")
+
+    def step_fn(self) -> tuple[dict[int, Any], bool]:
+        self.scheduler.schedule()
+        if self.fail is not None:
+            raise self.fail
+        return {}, True
+
+    def collective_rpc(self, method: Any, timeout: float | None = None) -> list[Any]:
+        self.events.append("device_check")
+        return [method(None)]
+
+    def reset_encoder_cache(self) -> None:
+        self.events.append("reset_encoder_cache")
+
+    def reset_mm_cache(self) -> None:
+        self.events.append("reset_mm_cache")
+
+    def put_nowait(self, item: Any) -> None:
+        records = sorted(p.name for p in self.tmp_path.glob("soft-*.json"))
+        self.events.append(f"outputs {sorted(o.request_id for o in item[1].outputs)} after {records}")
+
+
+def test_absorbing_resets_the_engine_then_records_then_finishes_the_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(soft.STATE_DIR_ENV, str(tmp_path))
+    events: list[str] = []
+    core = FakeCore(events, tmp_path)
+    log = remember_steps(core.scheduler, 1)
+    soft.install(core, log, SoftPolicy())
+    assert core.step_fn() == ({}, False)
+    [(name, record)] = read_soft_faults(tmp_path)
+    assert events == [
+        "device_check",
+        "finish",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+        "reset_mm_cache",
+        f"outputs ['a-1', 'b-2'] after ['{name}']",
+    ]
+    assert (record.type, record.step_requests, record.cut) == ("ValueError", ["a-1", "b-2"], ["a-1", "b-2"])
+    assert log.in_execution() == ([], [])
+    # The next step fails again with none of those requests in it: escalates (the exception propagates).
+    core.scheduler.requests = {"c-3": object()}
+    with pytest.raises(ValueError, match="deepstack"):
+        core.step_fn()
+    core.fail = None
+    assert core.step_fn() == ({}, True)
