@@ -7,7 +7,9 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
   request is text-only (CASES C4) and its answer is kept (``first_text``). The OpenAI surface, the
   deepstack backports under padding (C1), compiled == eager (C3), load, fuzz and bench tests use it.
 - ``eager_server``: ``--enforce-eager`` (patches on, unpadded): the numerical reference, and the
-  server Prometheus scrapes (no padding: a healthy server must raise no alert).
+  server Prometheus scrapes (no padding: a healthy server must raise no alert). Its model runner raises
+  on prompts holding ``EAGER_POISON_WORD`` (test fault plugin; no other prompt is affected), for the
+  soft-recovery test every lane runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from pathlib import Path
 import pytest
 
 from tests.servers import ServerProcess, SharedServer, engine_env, vlguard_argv
+
+EAGER_POISON_WORD = " Halcyonpetrichormarker"
+
+
+def token_ids(model: Path, text: str) -> list[int]:
+    """``text``'s token ids under ``model``'s tokenizer (no special tokens)."""
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(model).encode(text, add_special_tokens=False))
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +62,9 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def eager_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """``vlguard serve --enforce-eager`` (patches on) on the tiny model: the numerical reference."""
     log = tmp_path_factory.mktemp("logs") / "vlguard-eager.log"
-    srv = ServerProcess(vlguard_argv(tiny_model, "--enforce-eager"), log).start()
+    poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
+    srv = ServerProcess(vlguard_argv(tiny_model, "--enforce-eager"), log,
+                        env=engine_env(VLGUARD_TEST_POISON_TOKENS=poison)).start()  # fmt: skip
     try:
         srv.wait_ready()
         yield srv

@@ -21,13 +21,18 @@ import pytest
 from openai import OpenAI
 
 from server.workload.images import photo_uri
+from server.workload.servers import metric_samples
 from server.workload.twopass import primary_messages
+from tests.conftest import token_ids
 from tests.helpers import assert_session_ends, engine_core, metric, poll, process_name, sse_tokens
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
 POISON_WORD = " Xylophonequartzmarker"  # its step raises in the worker (the model errors)
 EXIT_WORD = " Zanzibarjunipermarker"  # its worker process exits in the middle of the step (a crash)
+DEVICE_WORD = " Quagmireobsidianmarker"  # its step raises what reads as a CUDA error (a poisoned device)
+CORE_WORD = " Vermilionkumquatmarker"  # the engine core raises processing its step's output
+WORDS = (POISON_WORD, EXIT_WORD, DEVICE_WORD, CORE_WORD)
 GUARD_FLAGS = (
     "--enforce-eager",
     "--guard-hang-timeout", "10",
@@ -40,10 +45,7 @@ GUARD_FLAGS = (
 
 @pytest.fixture(scope="module")
 def poison_ids(tiny_model: Path) -> dict[str, list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    return {word: list(tokenizer.encode(word, add_special_tokens=False)) for word in (POISON_WORD, EXIT_WORD)}
+    return {word: token_ids(tiny_model, word) for word in WORDS}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,8 @@ def guarded(
     env = engine_env(
         VLGUARD_TEST_POISON_TOKENS=",".join(map(str, poison_ids[POISON_WORD])),
         VLGUARD_TEST_POISON_EXIT_TOKENS=",".join(map(str, poison_ids[EXIT_WORD])),
+        VLGUARD_TEST_POISON_DEVICE_TOKENS=",".join(map(str, poison_ids[DEVICE_WORD])),
+        VLGUARD_TEST_POISON_CORE_TOKENS=",".join(map(str, poison_ids[CORE_WORD])),
         NOTIFY_SOCKET=str(notify.path),
         WATCHDOG_USEC="2000000",
     )
@@ -92,6 +96,29 @@ def stream_tokens(srv: ServerProcess, model: str, messages: list[dict[str, objec
             if on_token is not None and count >= after:
                 on_token.set()
     return sse_tokens(lines)
+
+
+def labelled(srv: ServerProcess, name: str, label: str) -> dict[str, float]:
+    """``name``'s samples on the server's ``/metrics`` by the value of ``label``."""
+    prefix = name + "{"
+    return {
+        k[len(prefix) : -1]: v for k, v in metric_samples(srv.url, name, by_label=label).items() if k.startswith(prefix)
+    }
+
+
+def recoveries(srv: ServerProcess) -> dict[str, float]:
+    return labelled(srv, "vlguard_engine_recoveries_total", "kind")
+
+
+def test_fault_counters_start_at_zero(guarded: ServerProcess) -> None:
+    """#15: every labelled fault counter is exported at 0 before the first fault, so the alert rules'
+    increase() sees the first one."""
+    assert labelled(guarded, "vlguard_engine_deaths_total", "cause") == dict.fromkeys(
+        ("deepstack", "process_exit", "hang", "exception"), 0.0
+    )
+    assert recoveries(guarded) == {"soft": 0.0, "rebuild": 0.0}
+    assert labelled(guarded, "vlguard_engine_restarts_total", "outcome") == {"success": 0.0, "failure": 0.0}
+    assert labelled(guarded, "vlguard_engine_recovery_duration_seconds_count", "kind") == {"soft": 0.0, "rebuild": 0.0}
 
 
 def test_systemd_ready_and_watchdog(guarded: ServerProcess, notify: NotifySocket) -> None:
@@ -159,16 +186,22 @@ def test_stopped_engine_core_is_a_hang_and_recovers(guarded: ServerProcess, mode
     assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
 
 
-@pytest.mark.parametrize("word", [POISON_WORD, EXIT_WORD], ids=["raises", "kills-its-worker"])
+@pytest.mark.parametrize(
+    ("word", "kind"),
+    [(POISON_WORD, "soft"), (EXIT_WORD, "rebuild"), (DEVICE_WORD, "rebuild")],
+    ids=["raises", "kills-its-worker", "device-error"],
+)
 def test_poison_request_is_quarantined_while_other_traffic_succeeds(
-    guarded: ServerProcess, model_name: str, word: str
+    guarded: ServerProcess, model_name: str, word: str, kind: str
 ) -> None:
-    """CASES C6 / #20: the request whose step fails (the model raises, or its worker process dies in the
-    step) is charged; after two such faults it is refused with 400 and never replayed; the innocent
-    requests sharing the engine meanwhile all succeed."""
+    """CASES C6 / #20 / #15: the request whose step fails is charged; after two such faults it is refused
+    with 400 and never replayed; the innocent requests sharing the engine meanwhile all succeed. A model
+    exception is absorbed softly (no rebuild); a worker that died and an error that reads as a poisoned
+    CUDA context escalate to rebuilds."""
     client = client_for(guarded)
     poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     quarantined = metric(guarded, "vlguard_quarantine_fingerprints")
+    before = recoveries(guarded)
     poison = [{"role": "user", "content": f"Please check{word} now."}]
     good = [{"role": "user", "content": "Is the door blocked?"}]
     with ThreadPoolExecutor(4) as pool:
@@ -183,13 +216,49 @@ def test_poison_request_is_quarantined_while_other_traffic_succeeds(
     assert getattr(refused.value, "status_code", None) == 400
     assert "quarantined" in str(refused.value)
     assert metric(guarded, "vlguard_quarantine_fingerprints") == quarantined + 1  # the poison alone
-    # Never replayed again: a third try is refused at once, without another engine death.
+    after = recoveries(guarded)
+    other = "rebuild" if kind == "soft" else "soft"
+    assert (after[kind] - before[kind], after[other] - before[other]) == (2, 0)
+    # Never replayed again: a third try is refused at once, without another engine fault.
     deaths = metric(guarded, "vlguard_engine_deaths_total")
     with pytest.raises(Exception, match="quarantined"):
         client.chat.completions.create(model=model_name, messages=poison, max_tokens=4)  # type: ignore[arg-type]
     assert metric(guarded, "vlguard_engine_deaths_total") == deaths
     assert metric(guarded, "vlguard_requests_quarantined_total") >= 2
     assert word.strip() not in guarded.log_path.read_text()  # logs carry the fingerprint only
+
+
+def test_engine_core_fault_is_absorbed_under_a_live_stream(guarded: ServerProcess, model_name: str) -> None:
+    """#15: the engine core itself raises (processing a step's output) while a greedy stream is running:
+    recovered softly, no rebuild; the stream goes on token-identical to an uninterrupted run; the faulting
+    request is quarantined after two faults; afterwards no KV block is held when idle, the same prompt
+    twice gives the same output (no stale prefix-cache block) and /ready is 200."""
+    client = client_for(guarded)
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
+    messages = [{"role": "user", "content": "List the checks before entering a confined space."}]
+    n_tokens = 1000  # ~3 s of decoding: still running when the poison arrives
+    reference, error = stream_tokens(guarded, model_name, messages, n_tokens)
+    assert error is None and len(reference) == n_tokens
+    before, resumed = recoveries(guarded), metric(guarded, "vlguard_requests_resumed_total")
+    got_some = threading.Event()
+    poison = [{"role": "user", "content": f"Please check{CORE_WORD} now."}]
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
+        assert got_some.wait(60)
+        with pytest.raises(Exception, match="quarantined"):
+            client.chat.completions.create(model=model_name, messages=poison, max_tokens=4)  # type: ignore[arg-type]
+        ids, error = stream.result()
+    assert error is None
+    assert ids == reference
+    after = recoveries(guarded)
+    assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
+    assert metric(guarded, "vlguard_requests_resumed_total") >= resumed + 1
+    poll(lambda: metric(guarded, "vllm:kv_cache_usage_perc") == 0, 30, "KV cache usage back to 0")
+    prompt = [{"role": "user", "content": "Name three hazards of working at height."}]
+    answers = [client.chat.completions.create(model=model_name, messages=prompt, max_tokens=32, temperature=0)
+               for _ in range(2)]  # fmt: skip
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert httpx.get(guarded.url + "/ready").status_code == 200
 
 
 def test_identical_requests_at_six_external_kills_are_never_quarantined(

@@ -1,4 +1,5 @@
-"""CASES C5 on every engine lane: ``kill -9`` of the real engine core with 32 requests in flight.
+"""CASES C5 on every engine lane: ``kill -9`` of the real engine core with 32 requests in flight; and #15's
+soft recovery of a step exception with image requests and streams in flight.
 
 It runs on the session's eager server (its engine is rebuilt in place; later tests see a fresh engine with
 the same deterministic outputs), so no engine lane pays a launch of its own for it. The other real faults
@@ -17,7 +18,9 @@ import psutil
 import pytest
 
 from server.workload.images import photo_uri
+from server.workload.servers import metric_samples
 from server.workload.twopass import primary_messages
+from tests.conftest import EAGER_POISON_WORD
 from tests.helpers import engine_core, metric, poll, sse_tokens
 from tests.servers import ServerProcess
 
@@ -97,3 +100,42 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     assert carried >= 32
     assert not old_core.is_running() or old_core.status() == psutil.STATUS_ZOMBIE
     assert engine_core(eager_server).pid != old_core.pid  # exactly one engine core: no orphans
+
+
+async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: ServerProcess, model_name: str) -> None:
+    """#15 on every lane: the model raises in the worker for one request while 8 others (images and text,
+    streams and not) are decoding. The engine absorbs it (no rebuild), every other request is served with
+    the same greedy output as an uninterrupted run, and the faulting request is quarantined (400) after
+    its second fault."""
+    image = photo_uri("chelsea.png")
+    n_tokens = 256
+
+    def body(i: int) -> dict[str, object]:
+        messages = primary_messages(image) if i % 2 else [{"role": "user", "content": f"Site report {i}."}]
+        return {"model": model_name, "messages": messages, "max_tokens": n_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": i >= 4, "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+
+    async def answer(client: httpx.AsyncClient, i: int) -> tuple[int, object]:
+        if i < 4:
+            resp = await client.post("/v1/chat/completions", json=body(i))
+            return resp.status_code, resp.json()["choices"][0]["message"]["content"]
+        status, ids, error = await _chat(client, body(i))
+        return status, (ids, error)
+
+    async with httpx.AsyncClient(base_url=eager_server.url, timeout=600) as client:
+        reference = await asyncio.gather(*(answer(client, i) for i in range(8)))
+        recoveries = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
+        tasks = [asyncio.create_task(answer(client, i)) for i in range(8)]
+        deadline = time.monotonic() + 120
+        while metric(eager_server, "vlguard_requests_inflight") < 8:
+            assert time.monotonic() < deadline, "8 requests never were in the engine at once"
+            await asyncio.sleep(0.05)
+        poison = {"model": model_name, "max_tokens": 4,
+                  "messages": [{"role": "user", "content": f"Please check{EAGER_POISON_WORD} now."}]}  # fmt: skip
+        refused = await client.post("/v1/chat/completions", json=poison)
+        results = await asyncio.gather(*tasks)
+    assert refused.status_code == 400 and "quarantined" in refused.json()["error"]["message"]
+    assert results == reference
+    after = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
+    soft, rebuild = "vlguard_engine_recoveries_total{soft}", "vlguard_engine_recoveries_total{rebuild}"
+    assert (after[soft] - recoveries[soft], after[rebuild] - recoveries[rebuild]) == (2, 0)

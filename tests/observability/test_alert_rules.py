@@ -35,6 +35,11 @@ SCENARIOS: dict[str, tuple[list[dict[str, str]], str, str]] = {
     "VlguardTargetDown": (_series("up", "1 1 0x8", "1x10"), "3m", "5m"),
     "VlguardEngineDown": (_series("vlguard_engine_up", "1 0x10", "1x11"), "4m", "7m"),
     "VlguardEngineDeaths": (_series("vlguard_engine_deaths_total", "0 1 2 3 3", "0x4", cause="hang"), "2m", "4m"),
+    "VlguardSoftRecoveryStorm": (
+        _series("vlguard_engine_recoveries_total", "0 3 6 9 9", "0 1 1 1 1", kind="soft"),
+        "1m",
+        "3m",
+    ),
     "VlguardRestartLoop": (
         _series("vlguard_engine_restarts_total", "0 1 2 3 4 4", "0 0 1 1 1 1", outcome="success")
         + _series("vlguard_engine_restart_budget", "5x5", "5x5"),

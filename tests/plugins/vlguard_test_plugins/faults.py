@@ -7,6 +7,12 @@ does on a real model error (a poison request).
 ``VLGUARD_TEST_POISON_EXIT_TOKENS="12,34"``: the same, but the worker process exits at once (``os._exit``)
 instead of raising: a poison input that crashes its process outright (a segfault in a kernel, say).
 
+``VLGUARD_TEST_POISON_DEVICE_TOKENS="12,34"``: the model runner raises an exception that reads as a CUDA
+error (an illegal memory access): soft recovery must escalate it to a rebuild.
+
+``VLGUARD_TEST_POISON_CORE_TOKENS="12,34"``: the engine core's scheduler raises while processing the
+output of a step holding such a request, in the engine-core process (not the worker).
+
 ``VLGUARD_TEST_FAIL_START_IF=/path``: an engine whose processes start while that file exists fails
 during start-up (plugin loading raises in the engine core), so in-process restarts keep failing.
 """
@@ -19,6 +25,8 @@ from typing import Any
 
 POISON_ENV = "VLGUARD_TEST_POISON_TOKENS"
 POISON_EXIT_ENV = "VLGUARD_TEST_POISON_EXIT_TOKENS"
+POISON_DEVICE_ENV = "VLGUARD_TEST_POISON_DEVICE_TOKENS"
+POISON_CORE_ENV = "VLGUARD_TEST_POISON_CORE_TOKENS"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
 logger = logging.getLogger("vllm.vlguard.test_faults")
 
@@ -32,10 +40,18 @@ def register() -> None:
     flag = os.environ.get(FAIL_START_ENV)
     if flag and os.path.exists(flag) and "EngineCore" in _process_title():
         raise RuntimeError(f"vlguard test fault: engine start-up fails while {flag} exists")
-    raise_on = _needle(POISON_ENV)
-    exit_on = _needle(POISON_EXIT_ENV)
-    if not raise_on and not exit_on:
-        return
+    raise_on, exit_on, device_on = _needle(POISON_ENV), _needle(POISON_EXIT_ENV), _needle(POISON_DEVICE_ENV)
+    if raise_on or exit_on or device_on:
+        _poison_model_runner(raise_on, exit_on, device_on)
+    if core_on := _needle(POISON_CORE_ENV):
+        _poison_scheduler(core_on)
+
+
+def _new_prompts(scheduler_output: Any) -> list[list[int]]:
+    return [list(req.prompt_token_ids or []) for req in getattr(scheduler_output, "scheduled_new_reqs", [])]
+
+
+def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: list[int]) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.execute_model
@@ -43,18 +59,36 @@ def register() -> None:
         return
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        for req in getattr(scheduler_output, "scheduled_new_reqs", []):
-            ids = list(req.prompt_token_ids or [])
+        for ids in _new_prompts(scheduler_output):
             if exit_on and contains(ids, exit_on):
                 os._exit(13)  # the worker process dies in the middle of the step
             if raise_on and contains(ids, raise_on):
                 raise RuntimeError("vlguard test fault: poison request reached the model")
+            if device_on and contains(ids, device_on):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (vlguard test fault)")
         return original(self, scheduler_output, *args, **kwargs)
 
     execute_model.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
-    logger.warning("vlguard test plugin: requests containing tokens %s crash the model, %s its process",
-                   raise_on, exit_on)  # fmt: skip
+    logger.warning("vlguard test plugin: requests containing tokens %s crash the model, %s its process, %s "
+                   "the device", raise_on, exit_on, device_on)  # fmt: skip
+
+
+def _poison_scheduler(core_on: list[int]) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.update_from_output
+    if getattr(original, "__vlguard_test_fault__", False):
+        return
+
+    def update_from_output(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(contains(ids, core_on) for ids in _new_prompts(scheduler_output)):
+            raise RuntimeError("vlguard test fault: the engine core failed processing a step's output")
+        return original(self, scheduler_output, *args, **kwargs)
+
+    update_from_output.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    logger.warning("vlguard test plugin: steps holding tokens %s fail in the engine core", core_on)
 
 
 def _needle(env: str) -> list[int]:
