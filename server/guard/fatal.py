@@ -79,6 +79,8 @@ class StepLog:
 
     steps: collections.deque[tuple[int, list[str], list[str]]]
     failed_in_schedule: bool = False
+    #: the request ids of the most recently scheduled step.
+    last_scheduled: list[str] = field(default_factory=list)
 
     def in_execution(self) -> tuple[list[str], list[str]]:
         """``(step requests, new requests)`` to charge: those of the steps that were executing (none when
@@ -111,6 +113,7 @@ def remember_steps(scheduler: Any, depth: int) -> StepLog:
         scheduled = list(getattr(out, "num_scheduled_tokens", None) or {})
         new = [r.req_id for r in getattr(out, "scheduled_new_reqs", None) or []]
         log.steps.append((id(out), scheduled, new))
+        log.last_scheduled = scheduled
         return out
 
     def update_from_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:

@@ -82,8 +82,10 @@ class SoftPolicy:
     window_s: float = 600.0
     clock: Callable[[], float] = time.monotonic
     _times: collections.deque[float] = field(default_factory=collections.deque)
-    #: API-side ids of the last failing step's requests, until a step that ran the model has passed.
-    _after_recovery: set[str] | None = None
+    #: API-side ids of the requests the last recovery cut, until a model step holding one has passed.
+    _carried: set[str] = field(default_factory=set)
+    #: API-side ids of the last failing step's requests (its suspects).
+    _suspects: set[str] = field(default_factory=set)
 
     @classmethod
     def from_env(cls) -> SoftPolicy:
@@ -97,16 +99,18 @@ class SoftPolicy:
     def escalation(self, exc: BaseException, step_requests: Iterable[str]) -> str | None:
         """Why this fault must escalate to a rebuild, or None to absorb it.
 
-        A second fault in the first step after a soft recovery escalates unless that step holds a request
-        of the step that failed before (a poison input failing again is the quarantine's business, not a
-        sign the recovery left the engine broken).
+        The first model step that holds requests carried over from the last recovery is its test: a fault
+        there escalates unless the step also holds a request of the step that failed before (a poison
+        input failing again is the quarantine's business, not a sign that the recovery left the engine
+        broken). Steps holding only other requests (new ones, whose own input may fault) do not count.
         """
         if not self.enabled:
             return "soft recovery is off"
         if device_poisoned(exc):
             return "device error"
-        if self._after_recovery is not None and not (request_bases(step_requests) & self._after_recovery):
-            return "a new fault in the first step after a soft recovery"
+        in_step = request_bases(step_requests)
+        if in_step & self._carried and not in_step & self._suspects:
+            return "a new fault in the first step of the requests carried over from a soft recovery"
         now = self.clock()
         while self._times and now - self._times[0] > self.window_s:
             self._times.popleft()
@@ -114,14 +118,16 @@ class SoftPolicy:
             return f"{len(self._times)} soft recoveries within {self.window_s:g} s"
         return None
 
-    def absorbed(self, step_requests: Iterable[str]) -> None:
-        """A fault was absorbed: count it; the next step that runs the model is on watch."""
+    def absorbed(self, step_requests: Iterable[str], cut: Iterable[str]) -> None:
+        """A fault was absorbed: count it; the first step of what it cut is on watch."""
         self._times.append(self.clock())
-        self._after_recovery = request_bases(step_requests)
+        self._suspects = request_bases(step_requests)
+        self._carried = request_bases(cut)
 
-    def step_passed(self) -> None:
-        """A step that ran the model finished without error."""
-        self._after_recovery = None
+    def step_passed(self, step_requests: Iterable[str]) -> None:
+        """A step that ran the model (holding ``step_requests``) finished without error."""
+        if request_bases(step_requests) & self._carried:
+            self._carried, self._suspects = set(), set()
 
 
 @dataclass(frozen=True)
@@ -274,14 +280,14 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
                 logger.error("vlguard: soft recovery failed (%s: %s); escalating to a rebuild",
                              type(failure).__name__, failure)  # fmt: skip
                 raise exc from None
-            policy.absorbed(step_requests)
+            policy.absorbed(step_requests, record.cut)
             logger.warning(
                 "vlguard: engine step failed (%s); absorbed in %.3f s: %d request(s) cut for the guard to carry over",
                 record.describe()[:300], record.recovery_s, len(record.cut),
             )  # fmt: skip
             return {}, False
         if model_executed:
-            policy.step_passed()
+            policy.step_passed(log.last_scheduled)
         return outputs, model_executed
 
     core.step_fn = guarded_step

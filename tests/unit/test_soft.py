@@ -54,18 +54,21 @@ def test_off_escalates_everything() -> None:
     assert SoftPolicy(enabled=False).escalation(ValueError("x"), []) == "soft recovery is off"
 
 
-def test_a_new_fault_in_the_first_step_after_a_recovery_escalates_unless_the_suspect_is_in_it() -> None:
+def test_a_new_fault_in_the_first_step_of_the_carried_requests_escalates_unless_the_suspect_is_in_it() -> None:
     policy = SoftPolicy()
-    policy.absorbed(["poison-0000aaaa", "ok-0000bbbb"])
-    # The poison's replay (a new engine-side suffix) fails again: the quarantine's business, absorbed.
-    assert policy.escalation(ValueError("x"), ["poison-1111cccc"]) is None
-    # A fault in that first step holding none of the previous step's requests: the recovery left it broken.
-    assert (
-        policy.escalation(ValueError("x"), ["other-2222dddd"]) == "a new fault in the first step after a soft recovery"
+    policy.absorbed(["poison-0000aaaa"], cut=["poison-0000aaaa", "ok-0000bbbb"])
+    # The poison's replay (a new engine-side suffix) fails again beside its carried neighbour: absorbed.
+    assert policy.escalation(ValueError("x"), ["poison-1111cccc", "ok-1111dddd"]) is None
+    # A new request's own first step may fail (its input), carried requests not in it: absorbed.
+    assert policy.escalation(ValueError("x"), ["new-2222eeee"]) is None
+    # The carried requests' step fails without the poison: the recovery left the engine broken.
+    assert policy.escalation(ValueError("x"), ["ok-2222dddd", "new-2222eeee"]) == (
+        "a new fault in the first step of the requests carried over from a soft recovery"
     )
-    assert policy.escalation(ValueError("x"), []) is not None  # schedule() itself raised
-    policy.step_passed()
-    assert policy.escalation(ValueError("x"), ["other-2222dddd"]) is None
+    policy.step_passed(["new-2222eeee"])  # a step without them proves nothing
+    assert policy.escalation(ValueError("x"), ["ok-3333dddd"]) is not None
+    policy.step_passed(["ok-3333dddd"])
+    assert policy.escalation(ValueError("x"), ["ok-4444dddd"]) is None
 
 
 def test_more_than_max_recoveries_in_the_window_escalates() -> None:
@@ -73,8 +76,8 @@ def test_more_than_max_recoveries_in_the_window_escalates() -> None:
     policy = SoftPolicy(max_recoveries=2, window_s=60, clock=clock)
     for _ in range(2):
         assert policy.escalation(ValueError("x"), ["a-1"]) is None
-        policy.absorbed(["a-1"])
-        policy.step_passed()
+        policy.absorbed(["a-1"], cut=["a-1"])
+        policy.step_passed(["a-2"])
     assert policy.escalation(ValueError("x"), ["a-1"]) == "2 soft recoveries within 60 s"
     clock.now += 61
     assert policy.escalation(ValueError("x"), ["a-1"]) is None
@@ -165,7 +168,8 @@ def test_absorbing_resets_the_engine_then_records_then_finishes_the_requests(
     events: list[str] = []
     core = FakeCore(events, tmp_path)
     log = remember_steps(core.scheduler, 1)
-    soft.install(core, log, SoftPolicy())
+    policy = SoftPolicy()
+    soft.install(core, log, policy)
     assert core.step_fn() == ({}, False)
     [(name, record)] = read_soft_faults(tmp_path)
     assert events == [
@@ -178,8 +182,9 @@ def test_absorbing_resets_the_engine_then_records_then_finishes_the_requests(
     ]
     assert (record.type, record.step_requests, record.cut) == ("ValueError", ["a-1", "b-2"], ["a-1", "b-2"])
     assert log.in_execution() == ([], [])
-    # The next step fails again with none of those requests in it: escalates (the exception propagates).
-    core.scheduler.requests = {"c-3": object()}
+    # The carried requests' first step fails again without the failing step's: escalates (re-raised).
+    policy.absorbed(["x-1"], cut=["a-1", "b-2"])
+    core.scheduler.requests = {"a-3": object()}
     with pytest.raises(ValueError, match="deepstack"):
         core.step_fn()
     core.fail = None
