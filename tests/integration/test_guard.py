@@ -135,13 +135,15 @@ def test_a_long_non_streaming_request_is_not_a_hang(guarded: ServerProcess, mode
     resp = client_for(guarded).chat.completions.create(
         model=model_name,
         messages=[{"role": "user", "content": "Write the full site safety manual."}],
-        max_tokens=3500,
+        max_tokens=4000,  # the model's length limit (4096) is close: the longest run one request can make
         temperature=0,
         extra_body={"ignore_eos": True},
     )
     elapsed = time.monotonic() - started
-    assert resp.usage is not None and resp.usage.completion_tokens == 3500
-    assert elapsed > 12, f"took {elapsed:.1f} s: not longer than the 10 s hang timeout, the test shows nothing"
+    assert resp.usage is not None and resp.usage.completion_tokens == 4000
+    # Silent for longer than the hang timeout plus one watchdog interval (10 + 0.5 s), or it shows nothing
+    # (13 s on one CI machine, 18 s for 3500 tokens on a slower one).
+    assert elapsed > 10.5, f"took {elapsed:.1f} s: not longer than the hang timeout, the test shows nothing"
     assert metric(guarded, "vlguard_engine_deaths_total") == deaths
 
 
