@@ -59,8 +59,9 @@ def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[An
 
 
 def _error_finish(output: RequestOutput) -> bool:
-    """Whether vLLM finished this request with ``ERROR`` (soft recovery cuts requests that way)."""
-    return bool(output.finished) and any(c.finish_reason == "error" for c in output.outputs)
+    """Whether vLLM finished this request, or one of its ``n > 1`` samples, with ``ERROR`` (soft recovery
+    cuts requests that way; the samples' finishes may arrive in separate outputs)."""
+    return any(c.finish_reason == "error" for c in output.outputs)
 
 
 def _unfinish(output: RequestOutput) -> None:
@@ -129,7 +130,7 @@ class GuardedEngineClient:
                             sup.note_progress()
                             # A soft recovery finished it (always its last output): deliver the tokens of
                             # earlier steps it may carry, not the finish; then carry the request over.
-                            cut = _error_finish(output) and request_id in sup.absorb_soft_faults(generation)
+                            cut = cut or (_error_finish(output) and sup.take_cut(generation, request_id))
                             if cut:
                                 _unfinish(output)
                                 if not (delta and single and output.outputs and output.outputs[0].token_ids):

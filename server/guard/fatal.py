@@ -20,6 +20,7 @@ import collections
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,8 @@ class StepLog:
 
     steps: collections.deque[tuple[int, list[str], list[str]]]
     failed_in_schedule: bool = False
-    #: the request ids of the most recently scheduled step.
-    last_scheduled: list[str] = field(default_factory=list)
+    #: called with a step's scheduled request ids once its output was processed without error.
+    on_step_done: Callable[[list[str]], None] | None = None
 
     def in_execution(self) -> tuple[list[str], list[str]]:
         """``(step requests, new requests)`` to charge: those of the steps that were executing (none when
@@ -113,7 +114,6 @@ def remember_steps(scheduler: Any, depth: int) -> StepLog:
         scheduled = list(getattr(out, "num_scheduled_tokens", None) or {})
         new = [r.req_id for r in getattr(out, "scheduled_new_reqs", None) or []]
         log.steps.append((id(out), scheduled, new))
-        log.last_scheduled = scheduled
         return out
 
     def update_from_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -121,6 +121,8 @@ def remember_steps(scheduler: Any, depth: int) -> StepLog:
         for entry in log.steps:
             if entry[0] == id(scheduler_output):
                 log.steps.remove(entry)
+                if log.on_step_done is not None and entry[1]:
+                    log.on_step_done(entry[1])
                 break
         return result
 

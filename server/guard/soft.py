@@ -99,10 +99,12 @@ class SoftPolicy:
     def escalation(self, exc: BaseException, step_requests: Iterable[str]) -> str | None:
         """Why this fault must escalate to a rebuild, or None to absorb it.
 
-        The first model step that holds requests carried over from the last recovery is its test: a fault
-        there escalates unless the step also holds a request of the step that failed before (a poison
-        input failing again is the quarantine's business, not a sign that the recovery left the engine
-        broken). Steps holding only other requests (new ones, whose own input may fault) do not count.
+        The first completed step that holds requests carried over from the last recovery is its test: a
+        fault in a step holding them escalates unless the step also holds a request of a step that failed
+        before (a poison input failing again is the quarantine's business, not a sign that the recovery
+        left the engine broken). Steps holding only other requests (new ones, whose own input may fault)
+        do not count. A new poison scheduled together with carried requests escalates too: a rebuild,
+        the safe side.
         """
         if not self.enabled:
             return "soft recovery is off"
@@ -119,14 +121,15 @@ class SoftPolicy:
         return None
 
     def absorbed(self, step_requests: Iterable[str], cut: Iterable[str]) -> None:
-        """A fault was absorbed: count it; the first step of what it cut is on watch."""
+        """A fault was absorbed: count it; the first step of what it cut is on watch (added to what an
+        earlier recovery's carried requests still owe)."""
         self._times.append(self.clock())
-        self._suspects = request_bases(step_requests)
-        self._carried = request_bases(cut)
+        self._suspects |= request_bases(step_requests)
+        self._carried |= request_bases(cut)
 
     def step_passed(self, step_requests: Iterable[str]) -> None:
-        """A step that ran the model (holding ``step_requests``) finished without error."""
-        if request_bases(step_requests) & self._carried:
+        """A step's output was processed without error (``step_requests``: the requests it scheduled)."""
+        if self._carried and request_bases(step_requests) & self._carried:
             self._carried, self._suspects = set(), set()
 
 
@@ -179,11 +182,16 @@ def read_soft_faults(state_dir: str | Path, skip: Iterable[str] = ()) -> list[tu
 
 
 def _synchronize_device(worker: Any) -> bool:
-    """Run in each worker: wait for the device to finish its work (raises on a poisoned context)."""
+    """Run in each worker: wait for the device to finish its work (raises on a poisoned context), and drop
+    the model runner's state of a step whose ``execute_model`` ran but whose ``sample_tokens`` never will
+    (the step failed around it: vLLM refuses every later ``execute_model`` while it is set)."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    runner = getattr(worker, "model_runner", None)
+    if getattr(runner, "execute_model_state", None) is not None:
+        runner.execute_model_state = None  # type: ignore[union-attr]
     return True
 
 
@@ -222,8 +230,7 @@ def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int
     core.model_executor.collective_rpc(_synchronize_device, timeout=30)
     scheduler = core.scheduler
     cut = finished_requests(scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR))
-    log.steps.clear()
-    log.failed_in_schedule = False
+    cut += _drop_freed_requests(scheduler)
     if isinstance(prev := getattr(scheduler, "prev_step_scheduled_req_ids", None), set):
         prev.clear()
     if not scheduler.reset_prefix_cache():
@@ -235,13 +242,34 @@ def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int
         message=str(exc)[:2000],
         step_requests=step_requests,
         new_requests=new_requests,
-        cut=sorted(rid for rid, _ in cut),
+        cut=sorted({rid for rid, _ in cut}),
         recovery_s=time.monotonic() - started,
     )
     path = Path(os.environ[STATE_DIR_ENV]) / f"soft-{os.getpid()}-{seq}.json"
     path.write_text(json.dumps(record.__dict__))  # before the finishes: the guard reads it when one arrives
+    log.steps.clear()  # only now: had anything above failed, the fatal record would still charge the step
+    log.failed_in_schedule = False
     _send_error_finishes(core, cut)
     return record
+
+
+def _drop_freed_requests(scheduler: Any) -> list[tuple[str, int]]:
+    """Requests still queued that the scheduler already freed: ``update_from_output`` frees a request that
+    stopped and removes it from the running list only after its loop, so an exception later in that loop
+    leaves it queued, its final output lost. Removes them from the queues; returns ``(id, client index)``
+    for an ``ERROR`` finish (the guard replays them: their answer never left the engine)."""
+    stale = [r for r in scheduler.running if r.request_id not in scheduler.requests]
+    if stale:
+        scheduler.running = [r for r in scheduler.running if r.request_id in scheduler.requests]
+    for name in ("waiting", "skipped_waiting"):
+        queue = getattr(scheduler, name, None)
+        if queue is None:
+            continue
+        gone = [r for r in queue if r.request_id not in scheduler.requests]
+        if gone:
+            queue.remove_requests(gone)
+            stale += gone
+    return [(r.request_id, r.client_index) for r in stale]
 
 
 def _send_error_finishes(core: Any, cut: list[tuple[str, int]]) -> None:
@@ -258,9 +286,14 @@ def _send_error_finishes(core: Any, cut: list[tuple[str, int]]) -> None:
 
 def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
     """Wrap ``core.step_fn`` (this instance) so that a step's exception is absorbed where ``policy``
-    allows it and re-raised otherwise (the engine core then dies as before and the guard rebuilds)."""
+    allows it and re-raised otherwise (the engine core then dies as before and the guard rebuilds).
+    Not for pooling models (vLLM's output processor expects their outputs to carry a pooling result)."""
+    if getattr(core, "is_pooling_model", False):
+        logger.info("vlguard: soft recovery is for generating models; step faults rebuild this engine")
+        return
     step = core.step_fn
     seq = 0
+    log.on_step_done = policy.step_passed
 
     def guarded_step() -> Any:
         nonlocal seq
@@ -286,8 +319,6 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
                 record.describe()[:300], record.recovery_s, len(record.cut),
             )  # fmt: skip
             return {}, False
-        if model_executed:
-            policy.step_passed(log.last_scheduled)
         return outputs, model_executed
 
     core.step_fn = guarded_step

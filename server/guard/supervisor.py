@@ -411,18 +411,13 @@ class Supervisor:
             logger.error("request %s quarantined: in the failing step at %d engine faults", fp, self.quarantine.deaths)
         m.QUARANTINED.set(self.quarantine.quarantined_count())
 
-    def absorb_soft_faults(self, generation: int) -> set[str]:
+    def absorb_soft_faults(self, generation: int) -> None:
         """Count the faults engine ``generation`` absorbed since the last call (soft recovery,
         :mod:`server.guard.soft`): metrics, quarantine strikes for the requests of each failing step, a log
-        line each. Called by the engine client when a request ends in an ``ERROR`` finish, and by the
-        watchdog.
-
-        Returns:
-            API-side ids of every request this engine cut for the guard to carry over (empty for a stale
-            generation).
-        """
+        line each; remember the requests each one cut. Called by the engine client when a request ends in
+        an ``ERROR`` finish, and by the watchdog. Stale generations are ignored."""
         if generation != self.generation:
-            return set()
+            return
         for name, record in read_soft_faults(self.engine_dir(generation), skip=self._soft_read):
             self._soft_read.add(name)
             self._soft_cut |= api_ids(record.cut)
@@ -441,7 +436,15 @@ class Supervisor:
                 + ", ".join(sorted({inflight[r] for r in charged}))
                 if charged else "no request charged", record.describe()[:500],
             )  # fmt: skip
-        return self._soft_cut
+
+    def take_cut(self, generation: int, request_id: str) -> bool:
+        """Whether a soft recovery of engine ``generation`` cut ``request_id`` (it is then carried over; the
+        answer is given once per cut, so a later ``ERROR`` finish of the same id is vLLM's own)."""
+        self.absorb_soft_faults(generation)
+        if generation != self.generation or request_id not in self._soft_cut:
+            return False
+        self._soft_cut.discard(request_id)
+        return True
 
     async def _teardown(self) -> None:
         engine, self._engine = self._engine, None

@@ -56,6 +56,8 @@ def test_off_escalates_everything() -> None:
 
 def test_a_new_fault_in_the_first_step_of_the_carried_requests_escalates_unless_the_suspect_is_in_it() -> None:
     policy = SoftPolicy()
+    policy.absorbed([], cut=[])  # a fault that cut nothing leaves nothing on watch
+    assert policy.escalation(ValueError("x"), ["any-1"]) is None
     policy.absorbed(["poison-0000aaaa"], cut=["poison-0000aaaa", "ok-0000bbbb"])
     # The poison's replay (a new engine-side suffix) fails again beside its carried neighbour: absorbed.
     assert policy.escalation(ValueError("x"), ["poison-1111cccc", "ok-1111dddd"]) is None
@@ -106,22 +108,35 @@ def test_records_are_read_once_in_order_and_bad_files_skipped(tmp_path: Path) ->
     assert read_soft_faults(tmp_path, skip=[name for name, _ in found]) == []
 
 
+class FakeRequest:
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.client_index = request_id, 0
+
+
 class FakeScheduler:
-    def __init__(self, events: list[str]) -> None:
+    """What soft recovery touches on vLLM's scheduler; ``step`` names the requests the next step schedules
+    (default: all)."""
+
+    def __init__(self, events: list[str], *ids: str) -> None:
         self.events = events
-        self.requests = {"a-1": object(), "b-2": object()}
+        self.requests = {rid: FakeRequest(rid) for rid in ids}
+        self.running = list(self.requests.values())
+        self.waiting: list[FakeRequest] = []
+        self.step: list[str] | None = None
 
     def schedule(self) -> Any:
-        return type("Out", (), {"num_scheduled_tokens": dict.fromkeys(self.requests, 1), "scheduled_new_reqs": []})()
+        ids = self.step if self.step is not None else list(self.requests)
+        return type("Out", (), {"num_scheduled_tokens": dict.fromkeys(ids, 1), "scheduled_new_reqs": []})()
 
     def update_from_output(self, out: Any, model_output: Any) -> dict[int, Any]:
         return {}
 
     def finish_requests(self, ids: list[str], status: Any) -> list[tuple[str, int]]:
         self.events.append("finish")
-        cut = [(rid, 0) for rid in ids]
-        self.requests.clear()
-        return cut
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for rid in ids:
+            del self.requests[rid]
+        return [(rid, 0) for rid in ids]
 
     def reset_prefix_cache(self) -> bool:
         self.events.append("reset_prefix_cache")
@@ -129,22 +144,23 @@ class FakeScheduler:
 
 
 class FakeCore:
-    """The parts of vLLM's ``EngineCoreProc`` that soft recovery uses; its step raises in execution."""
+    """The parts of vLLM's ``EngineCoreProc`` that soft recovery uses; its step raises in the model while
+    ``fail`` is set, else processes its output."""
 
-    def __init__(self, events: list[str], tmp_path: Path) -> None:
+    def __init__(self, events: list[str], tmp_path: Path, *ids: str) -> None:
         self.events = events
         self.tmp_path = tmp_path
-        self.scheduler = FakeScheduler(events)
+        self.scheduler = FakeScheduler(events, *ids)
         self.model_executor = self
         self.output_queue = self
         self.batch_queue = None
         self.fail: Exception | None = ValueError("Requested more deepstack tokens than available in buffer")
 
     def step_fn(self) -> tuple[dict[int, Any], bool]:
-        self.scheduler.schedule()
+        out = self.scheduler.schedule()
         if self.fail is not None:
             raise self.fail
-        return {}, True
+        return self.scheduler.update_from_output(out, None), True
 
     def collective_rpc(self, method: Any, timeout: float | None = None) -> list[Any]:
         self.events.append("device_check")
@@ -161,15 +177,20 @@ class FakeCore:
         self.events.append(f"outputs {sorted(o.request_id for o in item[1].outputs)} after {records}")
 
 
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *ids: str) -> tuple[FakeCore, Any, list[str]]:
+    monkeypatch.setenv(soft.STATE_DIR_ENV, str(tmp_path))
+    events: list[str] = []
+    core = FakeCore(events, tmp_path, *ids)
+    log = remember_steps(core.scheduler, 1)
+    soft.install(core, log, SoftPolicy())
+    return core, log, events
+
+
 def test_absorbing_resets_the_engine_then_records_then_finishes_the_requests(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(soft.STATE_DIR_ENV, str(tmp_path))
-    events: list[str] = []
-    core = FakeCore(events, tmp_path)
-    log = remember_steps(core.scheduler, 1)
-    policy = SoftPolicy()
-    soft.install(core, log, policy)
+    core, log, events = installed(tmp_path, monkeypatch, "a-1", "b-2")
+    core.scheduler.step = ["b-2"]  # the failing step holds b only; a is cut too
     assert core.step_fn() == ({}, False)
     [(name, record)] = read_soft_faults(tmp_path)
     assert events == [
@@ -180,12 +201,49 @@ def test_absorbing_resets_the_engine_then_records_then_finishes_the_requests(
         "reset_mm_cache",
         f"outputs ['a-1', 'b-2'] after ['{name}']",
     ]
-    assert (record.type, record.step_requests, record.cut) == ("ValueError", ["a-1", "b-2"], ["a-1", "b-2"])
+    assert (record.type, record.step_requests, record.cut) == ("ValueError", ["b-2"], ["a-1", "b-2"])
     assert log.in_execution() == ([], [])
-    # The carried requests' first step fails again without the failing step's: escalates (re-raised).
-    policy.absorbed(["x-1"], cut=["a-1", "b-2"])
-    core.scheduler.requests = {"a-3": object()}
+    # The carried request a comes back (a new suffix) and its step fails without b: escalates (re-raised).
+    core.scheduler.requests, core.scheduler.step = {"a-3": FakeRequest("a-3")}, None
     with pytest.raises(ValueError, match="deepstack"):
         core.step_fn()
-    core.fail = None
-    assert core.step_fn() == ({}, True)
+
+
+def test_a_completed_step_of_the_carried_requests_ends_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core, _, _ = installed(tmp_path, monkeypatch, "a-1", "b-2")
+    core.scheduler.step = ["b-2"]
+    core.step_fn()
+    core.fail, core.scheduler.requests = None, {"a-3": FakeRequest("a-3")}
+    assert core.step_fn() == ({}, True)  # a's first step after the recovery completed
+    core.fail = ValueError("boom")
+    assert core.step_fn() == ({}, False)  # a later fault of a's is a fault like any other: absorbed
+
+
+def test_requests_freed_but_still_queued_are_cut_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # update_from_output freed a stopped request, then raised before removing it from the running list.
+    core, _, _ = installed(tmp_path, monkeypatch, "a-1")
+    core.scheduler.running.append(FakeRequest("done-9"))
+    core.scheduler.waiting.append(FakeRequest("gone-8"))
+    core.scheduler.waiting = type("Q", (list,), {"remove_requests": lambda q, rs: [q.remove(r) for r in rs]})(
+        core.scheduler.waiting
+    )
+    assert core.step_fn() == ({}, False)
+    [(_, record)] = read_soft_faults(tmp_path)
+    assert record.cut == ["a-1", "done-9", "gone-8"]
+    assert (core.scheduler.running, list(core.scheduler.waiting)) == ([], [])
+
+
+def test_device_check_drops_a_pending_execute_model_state() -> None:
+    worker = type("W", (), {"model_runner": type("R", (), {"execute_model_state": object()})()})()
+    assert soft._synchronize_device(worker) is True
+    assert worker.model_runner.execute_model_state is None
+
+
+def test_pooling_models_are_left_alone(tmp_path: Path) -> None:
+    core = FakeCore([], tmp_path, "a-1")
+    core.is_pooling_model = True  # type: ignore[attr-defined]
+    step = core.step_fn
+    soft.install(core, remember_steps(core.scheduler, 1), SoftPolicy())
+    assert core.step_fn == step
