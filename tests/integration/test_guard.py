@@ -21,7 +21,6 @@ import pytest
 from openai import OpenAI
 
 from server.workload.images import photo_uri
-from server.workload.servers import metric_samples
 from server.workload.twopass import primary_messages
 from tests.conftest import token_ids
 from tests.helpers import assert_session_ends, engine_core, metric, poll, process_name, sse_tokens
@@ -65,12 +64,14 @@ def guarded(
         VLGUARD_TEST_POISON_TOKENS=",".join(map(str, poison_ids[POISON_WORD])),
         VLGUARD_TEST_POISON_EXIT_TOKENS=",".join(map(str, poison_ids[EXIT_WORD])),
         VLGUARD_TEST_POISON_DEVICE_TOKENS=",".join(map(str, poison_ids[DEVICE_WORD])),
+        VLGUARD_TEST_POISON_DEVICE_ONCE=str(tmp_path_factory.mktemp("flags") / "device-fault-happened"),
         VLGUARD_TEST_POISON_CORE_TOKENS=",".join(map(str, poison_ids[CORE_WORD])),
         NOTIFY_SOCKET=str(notify.path),
         WATCHDOG_USEC="2000000",
     )
     srv = ServerProcess(vlguard_argv(tiny_model, *GUARD_FLAGS), tmp_path_factory.mktemp("logs") / "guard.log", env=env)
     srv.start().wait_ready()
+    srv.initial_metrics = httpx.get(srv.url + "/metrics").text  # type: ignore[attr-defined]
     yield srv
     srv.stop()
 
@@ -98,12 +99,13 @@ def stream_tokens(srv: ServerProcess, model: str, messages: list[dict[str, objec
     return sse_tokens(lines)
 
 
-def labelled(srv: ServerProcess, name: str, label: str) -> dict[str, float]:
-    """``name``'s samples on the server's ``/metrics`` by the value of ``label``."""
-    prefix = name + "{"
-    return {
-        k[len(prefix) : -1]: v for k, v in metric_samples(srv.url, name, by_label=label).items() if k.startswith(prefix)
-    }
+def labelled(srv: ServerProcess, name: str, label: str, text: str | None = None) -> dict[str, float]:
+    """``name``'s samples on the server's ``/metrics`` (or in ``text``) by the value of ``label``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics").text if text is None else text
+    return {s.labels[label]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name and label in s.labels}  # fmt: skip
 
 
 def recoveries(srv: ServerProcess) -> dict[str, float]:
@@ -111,14 +113,18 @@ def recoveries(srv: ServerProcess) -> dict[str, float]:
 
 
 def test_fault_counters_start_at_zero(guarded: ServerProcess) -> None:
-    """#15: every labelled fault counter is exported at 0 before the first fault, so the alert rules'
-    increase() sees the first one."""
-    assert labelled(guarded, "vlguard_engine_deaths_total", "cause") == dict.fromkeys(
+    """#15: every labelled fault counter is exported at 0 before the first fault (read when the server
+    became ready), so the alert rules' increase() sees the first one."""
+    text = guarded.initial_metrics  # type: ignore[attr-defined]
+    assert labelled(guarded, "vlguard_engine_deaths_total", "cause", text) == dict.fromkeys(
         ("deepstack", "process_exit", "hang", "exception"), 0.0
     )
-    assert recoveries(guarded) == {"soft": 0.0, "rebuild": 0.0}
-    assert labelled(guarded, "vlguard_engine_restarts_total", "outcome") == {"success": 0.0, "failure": 0.0}
-    assert labelled(guarded, "vlguard_engine_recovery_duration_seconds_count", "kind") == {"soft": 0.0, "rebuild": 0.0}
+    assert labelled(guarded, "vlguard_engine_recoveries_total", "kind", text) == {"soft": 0.0, "rebuild": 0.0}
+    assert labelled(guarded, "vlguard_engine_restarts_total", "outcome", text) == {"success": 0.0, "failure": 0.0}
+    assert labelled(guarded, "vlguard_engine_recovery_duration_seconds_count", "kind", text) == {
+        "soft": 0.0,
+        "rebuild": 0.0,
+    }
 
 
 def test_systemd_ready_and_watchdog(guarded: ServerProcess, notify: NotifySocket) -> None:
@@ -190,16 +196,15 @@ def test_stopped_engine_core_is_a_hang_and_recovers(guarded: ServerProcess, mode
 
 @pytest.mark.parametrize(
     ("word", "kind"),
-    [(POISON_WORD, "soft"), (EXIT_WORD, "rebuild"), (DEVICE_WORD, "rebuild")],
-    ids=["raises", "kills-its-worker", "device-error"],
+    [(POISON_WORD, "soft"), (EXIT_WORD, "rebuild")],
+    ids=["raises", "kills-its-worker"],
 )
 def test_poison_request_is_quarantined_while_other_traffic_succeeds(
     guarded: ServerProcess, model_name: str, word: str, kind: str
 ) -> None:
     """CASES C6 / #20 / #15: the request whose step fails is charged; after two such faults it is refused
     with 400 and never replayed; the innocent requests sharing the engine meanwhile all succeed. A model
-    exception is absorbed softly (no rebuild); a worker that died and an error that reads as a poisoned
-    CUDA context escalate to rebuilds."""
+    exception is absorbed softly (no rebuild); a worker that died escalates to rebuilds."""
     client = client_for(guarded)
     poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     quarantined = metric(guarded, "vlguard_quarantine_fingerprints")
@@ -230,11 +235,59 @@ def test_poison_request_is_quarantined_while_other_traffic_succeeds(
     assert word.strip() not in guarded.log_path.read_text()  # logs carry the fingerprint only
 
 
+def test_a_device_error_rebuilds_and_the_request_is_served(guarded: ServerProcess, model_name: str) -> None:
+    """#15: an exception that reads as a poisoned CUDA context is not absorbed: the engine is rebuilt, and
+    the request (a transient fault: once) is replayed on the new engine and served, as are its neighbours."""
+    client = client_for(guarded)
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
+    before = recoveries(guarded)
+    faulty = [{"role": "user", "content": f"Please check{DEVICE_WORD} now."}]
+    # Neighbours of their own: a request charged in an earlier test's failing step has a strike already.
+    good = [[{"role": "user", "content": f"Is stairwell {i} clear?"}] for i in range(3)]
+    with ThreadPoolExecutor(4) as pool:
+        results = [pool.submit(client.chat.completions.create, model=model_name, messages=m, max_tokens=4)
+                   for m in (faulty, *good)]  # fmt: skip
+        assert all(f.result().choices for f in results)
+    after = recoveries(guarded)
+    assert (after["rebuild"] - before["rebuild"], after["soft"] - before["soft"]) == (1, 0)
+    assert "not absorbed: device error" in guarded.log_path.read_text()
+
+
+def test_no_block_of_a_failed_step_is_served_again(guarded: ServerProcess, model_name: str) -> None:
+    """#15: the poison's prefill step raises before the model writes its KV blocks, but the scheduler had
+    already put those blocks (a long prefix shared with the next request) in the prefix cache. After the
+    soft recovery the request sharing that prefix must be computed afresh: its greedy answer equals the
+    one computed with a cache salt (no shared block possible)."""
+    client = client_for(guarded)
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
+    shared = " ".join(f"Checkpoint {i} on the north stairwell is clear." for i in range(30))  # ~300 tokens
+    poison = [{"role": "user", "content": f"{shared}{POISON_WORD} now."}]
+    probe = [{"role": "user", "content": f"{shared} Anything else?"}]
+
+    def answer(**extra: object) -> list[int]:
+        body = {"return_tokens_as_token_ids": True, **extra}
+        resp = client.chat.completions.create(
+            model=model_name,
+            messages=probe,
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            extra_body=body,  # type: ignore[arg-type]
+        )
+        assert resp.choices[0].logprobs is not None and resp.choices[0].logprobs.content is not None
+        return [int(t.token.split(":")[1]) for t in resp.choices[0].logprobs.content]
+
+    before = recoveries(guarded)
+    with pytest.raises(Exception, match="quarantined"):
+        client.chat.completions.create(model=model_name, messages=poison, max_tokens=4)  # type: ignore[arg-type]
+    assert recoveries(guarded)["soft"] == before["soft"] + 2
+    assert answer() == answer(cache_salt=f"fresh-{time.monotonic_ns()}")
+
+
 def test_engine_core_fault_is_absorbed_under_a_live_stream(guarded: ServerProcess, model_name: str) -> None:
     """#15: the engine core itself raises (processing a step's output) while a greedy stream is running:
     recovered softly, no rebuild; the stream goes on token-identical to an uninterrupted run; the faulting
-    request is quarantined after two faults; afterwards no KV block is held when idle, the same prompt
-    twice gives the same output (no stale prefix-cache block) and /ready is 200."""
+    request is quarantined after two faults; afterwards no KV block is held when idle and /ready is 200."""
     client = client_for(guarded)
     poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     messages = [{"role": "user", "content": "List the checks before entering a confined space."}]
@@ -256,10 +309,6 @@ def test_engine_core_fault_is_absorbed_under_a_live_stream(guarded: ServerProces
     assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
     assert metric(guarded, "vlguard_requests_resumed_total") >= resumed + 1
     poll(lambda: metric(guarded, "vllm:kv_cache_usage_perc") == 0, 30, "KV cache usage back to 0")
-    prompt = [{"role": "user", "content": "Name three hazards of working at height."}]
-    answers = [client.chat.completions.create(model=model_name, messages=prompt, max_tokens=32, temperature=0)
-               for _ in range(2)]  # fmt: skip
-    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
     assert httpx.get(guarded.url + "/ready").status_code == 200
 
 

@@ -47,6 +47,17 @@ def ready_transitions(srv: ServerProcess, stop: threading.Event, seen: list[int]
             time.sleep(0.1)
 
 
+async def wait_inflight(srv: ServerProcess, n: int, timeout_s: float = 120) -> None:
+    """Wait until ``n`` requests are inside the engine at once. The scrape runs in a thread: a blocking
+    call on this event loop holds back the requests' own tasks, so they may trickle in and the first finish
+    before the last starts (CI once saw at most 24 of 32 at once that way, or so it seems: both tests
+    polling like that failed there and passed here)."""
+    deadline = time.monotonic() + timeout_s
+    while await asyncio.to_thread(metric, srv, "vlguard_requests_inflight") < n:
+        assert time.monotonic() < deadline, f"{n} requests never were in the engine at once"
+        await asyncio.sleep(0.05)
+
+
 async def _chat(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[int, list[int], str | None]:
     """One chat request; for streams, the token ids received and the error event's message, if any."""
     if not body.get("stream"):
@@ -75,10 +86,7 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     try:
         async with httpx.AsyncClient(base_url=eager_server.url, timeout=600, limits=limits) as client:
             tasks = [asyncio.create_task(_chat(client, body(i, stream=i >= 16))) for i in range(32)]
-            deadline = time.monotonic() + 120
-            while metric(eager_server, "vlguard_requests_inflight") < 32:  # all 32 inside the engine
-                assert time.monotonic() < deadline, "32 requests never were in the engine at once"
-                await asyncio.sleep(0.1)  # metrics poll interval (an async wait: the requests run meanwhile)
+            await wait_inflight(eager_server, 32)
             old_core.send_signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
         poll(lambda: httpx.get(eager_server.url + "/ready").status_code == 200, 300, "ready again")
@@ -126,10 +134,7 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
         reference = await asyncio.gather(*(answer(client, i) for i in range(8)))
         recoveries = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
         tasks = [asyncio.create_task(answer(client, i)) for i in range(8)]
-        deadline = time.monotonic() + 120
-        while metric(eager_server, "vlguard_requests_inflight") < 8:
-            assert time.monotonic() < deadline, "8 requests never were in the engine at once"
-            await asyncio.sleep(0.05)
+        await wait_inflight(eager_server, 8)
         poison = {"model": model_name, "max_tokens": 4,
                   "messages": [{"role": "user", "content": f"Please check{EAGER_POISON_WORD} now."}]}  # fmt: skip
         refused = await client.post("/v1/chat/completions", json=poison)

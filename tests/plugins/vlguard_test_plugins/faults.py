@@ -8,7 +8,9 @@ does on a real model error (a poison request).
 instead of raising: a poison input that crashes its process outright (a segfault in a kernel, say).
 
 ``VLGUARD_TEST_POISON_DEVICE_TOKENS="12,34"``: the model runner raises an exception that reads as a CUDA
-error (an illegal memory access): soft recovery must escalate it to a rebuild.
+error (an illegal memory access): soft recovery must escalate it to a rebuild. With
+``VLGUARD_TEST_POISON_DEVICE_ONCE=/path`` only once: the first time creates that file, and while it exists
+the request runs normally (a transient device fault: the rebuilt engine serves the replay).
 
 ``VLGUARD_TEST_POISON_CORE_TOKENS="12,34"``: the engine core's scheduler raises while processing the
 output of a step holding such a request, in the engine-core process (not the worker).
@@ -27,6 +29,7 @@ POISON_ENV = "VLGUARD_TEST_POISON_TOKENS"
 POISON_EXIT_ENV = "VLGUARD_TEST_POISON_EXIT_TOKENS"
 POISON_DEVICE_ENV = "VLGUARD_TEST_POISON_DEVICE_TOKENS"
 POISON_CORE_ENV = "VLGUARD_TEST_POISON_CORE_TOKENS"
+DEVICE_ONCE_ENV = "VLGUARD_TEST_POISON_DEVICE_ONCE"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
 logger = logging.getLogger("vllm.vlguard.test_faults")
 
@@ -64,7 +67,7 @@ def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: lis
                 os._exit(13)  # the worker process dies in the middle of the step
             if raise_on and contains(ids, raise_on):
                 raise RuntimeError("vlguard test fault: poison request reached the model")
-            if device_on and contains(ids, device_on):
+            if device_on and contains(ids, device_on) and _first_time(os.environ.get(DEVICE_ONCE_ENV)):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (vlguard test fault)")
         return original(self, scheduler_output, *args, **kwargs)
 
@@ -89,6 +92,17 @@ def _poison_scheduler(core_on: list[int]) -> None:
     update_from_output.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     logger.warning("vlguard test plugin: steps holding tokens %s fail in the engine core", core_on)
+
+
+def _first_time(flag: str | None) -> bool:
+    """True without a flag file; with one, True only for the call that creates it."""
+    if not flag:
+        return True
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _needle(env: str) -> list[int]:
