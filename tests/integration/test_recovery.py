@@ -51,7 +51,9 @@ async def wait_inflight(srv: ServerProcess, n: int, timeout_s: float = 120) -> N
     """Wait until ``n`` requests are inside the engine at once. The scrape runs in a thread: a blocking
     call on this event loop holds back the requests' own tasks, so they may trickle in and the first finish
     before the last starts (CI once saw at most 24 of 32 at once that way, or so it seems: both tests
-    polling like that failed there and passed here)."""
+    polling like that failed there and passed here). It shows ``n`` only if the requests overlap that long:
+    on a fast machine 8 requests of 256 tokens did not (CI), so the soft-recovery test waits on its
+    streams' first tokens instead."""
     deadline = time.monotonic() + timeout_s
     while await asyncio.to_thread(metric, srv, "vlguard_requests_inflight") < n:
         assert time.monotonic() < deadline, f"{n} requests never were in the engine at once"
@@ -112,29 +114,40 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
 
 async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: ServerProcess, model_name: str) -> None:
     """#15 on every lane: the model raises in the worker for one request while 8 others (images and text,
-    streams and not) are decoding. The engine absorbs it (no rebuild), every other request is served with
-    the same greedy output as an uninterrupted run, and the faulting request is quarantined (400) after
-    its second fault."""
+    streams and not) are in the engine (it is sent once the 4 streams are decoding). The engine absorbs it
+    (no rebuild), every other request is served with the same greedy output as an uninterrupted run, and
+    the faulting request is quarantined (400) after its second fault."""
     image = photo_uri("chelsea.png")
-    n_tokens = 256
+    n_tokens = 512  # ~2 s at this engine's ~2500 tokens/s: still decoding when the poison arrives
 
     def body(i: int) -> dict[str, object]:
         messages = primary_messages(image) if i % 2 else [{"role": "user", "content": f"Site report {i}."}]
         return {"model": model_name, "messages": messages, "max_tokens": n_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": i >= 4, "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
 
+    started = [asyncio.Event() for _ in range(8)]
+
     async def answer(client: httpx.AsyncClient, i: int) -> tuple[int, object]:
         if i < 4:
             resp = await client.post("/v1/chat/completions", json=body(i))
             return resp.status_code, resp.json()["choices"][0]["message"]["content"]
-        status, ids, error = await _chat(client, body(i))
-        return status, (ids, error)
+        async with client.stream("POST", "/v1/chat/completions", json=body(i)) as resp:
+            lines = []
+            async for line in resp.aiter_lines():
+                lines.append(line)
+                if sse_tokens([line])[0]:
+                    started[i].set()  # this stream is decoding in the engine
+            return resp.status_code, sse_tokens(lines)
 
     async with httpx.AsyncClient(base_url=eager_server.url, timeout=600) as client:
         reference = await asyncio.gather(*(answer(client, i) for i in range(8)))
         recoveries = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
+        carried = await asyncio.to_thread(_carried, eager_server)
+        for event in started:
+            event.clear()
         tasks = [asyncio.create_task(answer(client, i)) for i in range(8)]
-        await wait_inflight(eager_server, 8)
+        # The 4 streams are decoding (the 4 requests sent with them are in the engine too, or nearly).
+        await asyncio.wait_for(asyncio.gather(*(started[i].wait() for i in range(4, 8))), 120)
         poison = {"model": model_name, "max_tokens": 4,
                   "messages": [{"role": "user", "content": f"Please check{EAGER_POISON_WORD} now."}]}  # fmt: skip
         refused = await client.post("/v1/chat/completions", json=poison)
@@ -144,3 +157,10 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
     after = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
     soft, rebuild = "vlguard_engine_recoveries_total{soft}", "vlguard_engine_recoveries_total{rebuild}"
     assert (after[soft] - recoveries[soft], after[rebuild] - recoveries[rebuild]) == (2, 0)
+    # The poison's own replay is one; at least one other request in flight was cut and carried over.
+    assert _carried(eager_server) >= carried + 2
+
+
+def _carried(srv: ServerProcess) -> float:
+    """Requests replayed or resumed so far (the poison's own replay included)."""
+    return metric(srv, "vlguard_requests_replayed_total") + metric(srv, "vlguard_requests_resumed_total")
