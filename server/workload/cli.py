@@ -83,15 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("model", help="model path or name, as for `vllm serve`")
     cmp_.add_argument(
         "--scenario",
-        choices=sorted(compare.SCENARIOS),
+        choices=[*sorted(compare.SCENARIOS), "fault"],
         default="overhead",
         help="overhead: vlguard vs stock; kill: engine killed mid-run, vlguard vs stock; "
-        "alignment / patches: vlguard with that feature on vs off (default overhead)",
+        "alignment / patches: vlguard with that feature on vs off; fault: a step fault every --fault-every "
+        "seconds, vlguard soft recovery vs rebuild vs stock restarted (test fault plugin) (default overhead)",
     )
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
     cmp_.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     cmp_.add_argument("--pairs", type=int, default=8, help="pairs per round and system; kill: in all (default 8)")
     cmp_.add_argument("--kill-after", type=int, default=10, help="kill: successes before the kill (default 10)")
+    cmp_.add_argument("--fault-every", type=float, default=10.0, help="fault: seconds between faults (default 10)")
+    cmp_.add_argument(
+        "--fault-duration", type=float, default=40.0, help="fault: seconds of load per run, with and without faults"
+    )
     cmp_.add_argument(
         "--emulate-padding",
         action="store_true",
@@ -165,12 +170,16 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         pairs=args.pairs,
         concurrency=args.concurrency,
         kill_after=args.kill_after,
+        fault_every_s=args.fault_every,
+        fault_duration_s=args.fault_duration,
         emulate_padding=args.emulate_padding,
         out=args.out,
         progress=not args.no_progress,
     )
-    a, b = (s.name for s in compare.SCENARIOS[args.scenario])
     stem = args.out / f"compare-{args.scenario}"
+    if args.scenario == "fault":
+        return _fault_main(opts, stem)
+    a, b = (s.name for s in compare.SCENARIOS[args.scenario])
     if args.scenario == "kill":
         result = compare.kill(opts)
         for name, s in result["systems"].items():
@@ -210,6 +219,25 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     }
     written.insert(0, _write_json(stem.with_suffix(".json"), result))
     print("wrote", *written)
+    return 0
+
+
+def _fault_main(opts: compare.CompareOptions, stem: Path) -> int:
+    from server.workload import faults
+
+    result = faults.fault(opts)
+    for name, s in result["systems"].items():
+        first = s["first_success_after_fault_s"]
+        shown = "n/a" if first["median"] is None else f"median {first['median']:.2f} s, max {first['max']:.2f} s"
+        print(
+            f"{name:8} faults {len(s['faults_s'])}; first success after a fault: {shown}; failed "
+            f"{s['faulted']['failed']} of {s['faulted']['requests']}; throughput with faults / without "
+            f"{s['throughput_ratio']:.3f}"
+        )
+    print(report.table({f"{k} (faults)": v["faulted"] for k, v in result["systems"].items()}
+                       | {f"{k} (none)": v["baseline"] for k, v in result["systems"].items()}))  # fmt: skip
+    result |= {"scenario": "fault", "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload}
+    print("wrote", _write_json(stem.with_suffix(".json"), result))
     return 0
 
 

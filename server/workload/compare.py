@@ -8,6 +8,8 @@ Scenarios (systems A / B; every ratio printed is A / B):
 - ``kill``: vlguard vs stock, each SIGKILLed in its ``VLLM::EngineCore`` after ``kill_after`` successful
   requests. The stock server exits on engine death; the harness starts it again at once, as systemd's
   ``Restart=always`` would, so its recovery includes the cold start.
+- ``fault`` (:mod:`server.workload.faults`): a step fault every few seconds; vlguard with soft recovery,
+  vlguard rebuilding, stock restarted.
 
 Throughput scenarios alternate rounds (A B, B A, ...). Each round sends the same fresh pairs to both
 systems (new images every round: no cache reuse across rounds) and the server not being measured is
@@ -80,21 +82,27 @@ class CompareOptions:
     pairs: int = 8
     concurrency: int = 4
     kill_after: int = 10
+    fault_every_s: float = 10.0
+    fault_duration_s: float = 40.0
     emulate_padding: bool = False
     out: Path = Path("bench-out")
     progress: bool = True
     ready_timeout_s: float = 900.0
 
 
-def _server(system: System, opts: CompareOptions) -> ServerProcess:
+def system_server(
+    system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str = ""
+) -> ServerProcess:
+    """The (not yet started) server of one side. ``extra_env`` goes to every side; ``stock_plugins`` is the
+    stock server's ``VLLM_PLUGINS`` (default none: vlguard's plugins, installed in the same environment,
+    stay out of stock)."""
     log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
     log.write_bytes(b"")
     if system.stock:
-        # VLLM_PLUGINS="" loads no plugin: vlguard's (installed in the same environment) stay out of stock.
-        env = engine_env(VLLM_PLUGINS="")
+        env = engine_env(VLLM_PLUGINS=stock_plugins, **(extra_env or {}))
         return ServerProcess(stock_command(opts.model, *opts.serve_args), log, env=env, ready_path="/health")
     args = [*opts.serve_args, *system.guard_args]
-    env = engine_env()
+    env = engine_env(**(extra_env or {}))
     if opts.emulate_padding:  # the test-only plugin in tests/plugins (development environments)
         env["VLGUARD_TEST_EMULATE_PADDING"] = "1"
         args += ["--guard-alignment-max-capture-size", "512"]
@@ -104,7 +112,7 @@ def _server(system: System, opts: CompareOptions) -> ServerProcess:
 @contextmanager
 def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
     """Both systems started (concurrently), ready and paused; stopped on exit."""
-    servers = {s.name: _server(s, opts) for s in SCENARIOS[opts.scenario]}
+    servers = {s.name: system_server(s, opts) for s in SCENARIOS[opts.scenario]}
     try:
         for srv in servers.values():
             srv.start()

@@ -203,6 +203,9 @@ async def run(
                     bar.update(1)
                     if on_record is not None:
                         on_record(rec)
+                    if rec.error == "connection":  # the server is down (restarting): do not spin
+                        await asyncio.sleep(0.5)
+                        break
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     bar.close()
