@@ -202,6 +202,15 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
     }
 
 
+async def restart_on_exit(srv: ServerProcess, system: System) -> None:
+    """Start the stock server again at once whenever it exited (it does on engine death), as systemd's
+    ``Restart=always`` would; runs until cancelled. Does nothing for vlguard (it recovers in-process)."""
+    while True:
+        if system.stock and srv.proc is not None and srv.proc.poll() is not None:
+            srv.start()
+        await asyncio.sleep(0.2)
+
+
 async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) -> dict[str, Any]:
     plan = generator.TwoPassPlan(opts.workload)
     state: dict[str, Any] = {"succeeded": 0, "killed_at": None}
@@ -212,15 +221,9 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
             srv.engine_core().kill()  # SIGKILL
             state["killed_at"] = time.monotonic()
 
-    async def supervise() -> None:  # systemd Restart=always for the stock server (it exits on engine death)
-        while True:
-            if system.stock and srv.proc is not None and srv.proc.poll() is not None:
-                srv.start()
-            await asyncio.sleep(0.2)
-
     async with httpx.AsyncClient(timeout=30) as client:  # asked now: a restarting stock server cannot answer
         model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
-    supervisor = asyncio.create_task(supervise())
+    supervisor = asyncio.create_task(restart_on_exit(srv, system))
     try:
         res = await generator.run(
             srv.url,

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from server.workload import generator, report
-from server.workload.compare import CompareOptions, System, system_server
+from server.workload.compare import CompareOptions, System, restart_on_exit, system_server
 from server.workload.servers import ServerProcess
 
 #: The marker the fault plugin is armed with (``VLGUARD_TEST_POISON_TOKENS`` holds its token ids).
@@ -79,14 +79,8 @@ async def _run(srv: ServerProcess, system: System, opts: CompareOptions, faults:
     async with httpx.AsyncClient(timeout=30) as client:
         model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
 
-    async def restart_stock() -> None:  # systemd Restart=always for the stock server (it exits on engine death)
-        while True:
-            if system.stock and srv.proc is not None and srv.proc.poll() is not None:
-                srv.start()
-            await asyncio.sleep(0.2)
-
     stop = asyncio.Event()
-    supervisor = asyncio.create_task(restart_stock())
+    supervisor = asyncio.create_task(restart_on_exit(srv, system))
     started_at = time.monotonic()
     ready_path = "/health" if system.stock else "/ready"
     injector = (
