@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import tempfile
 from collections.abc import Callable
 from types import FrameType
@@ -110,6 +111,33 @@ def keep_alive_timeout(settings: GuardSettings) -> int:
     return DEFAULT_KEEP_ALIVE_S
 
 
+def listen_socket(args: argparse.Namespace) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the engine is built, as ``vllm serve`` does.
+
+    Bound first so that a port in use fails the start at once (not after minutes of model loading), and
+    so that the engine's own processes, which pick free ports for their ZMQ sockets while they start, can
+    never take the HTTP port (vLLM issue #8204). ``SO_REUSEADDR`` only: a second server on the same port
+    is an error, not a silent share (``vllm serve`` also sets ``SO_REUSEPORT``).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    if getattr(args, "uds", None):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(args.uds)
+        return sock
+    host = args.host or "0.0.0.0"  # vllm serve's default: all interfaces
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, args.port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server that also tells the supervisor at once when SIGTERM/SIGINT arrives (uvicorn itself
     looks at its exit flag only once the application has started, which can take minutes)."""
@@ -140,6 +168,11 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     from server.guard.supervisor import EngineState, Supervisor, build_async_llm
 
     _configure_logging()
+    try:
+        sock = listen_socket(args)
+    except OSError as exc:
+        logger.error("cannot listen on %s: %s", args.uds or f"{args.host or '0.0.0.0'}:{args.port}", exc)
+        return EXIT_STARTUP_FAILED
     # The patch plugin runs in every vLLM process; spawned engine processes inherit this. It must be set
     # before vLLM loads its plugins (when the engine arguments are built below).
     os.environ["VLGUARD_PATCHES"] = "on" if settings.patches else "off"
@@ -162,8 +195,6 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     app = create_app(args, settings, supervisor)
     config = uvicorn.Config(
         app,
-        host=args.host or "0.0.0.0",  # vllm serve's default: all interfaces
-        port=args.port,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=keep_alive_timeout(settings),
@@ -181,7 +212,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
 
     supervisor.on_failed = give_up
     try:
-        server.run()  # after a signal-initiated shutdown uvicorn re-raises the signal: the process ends here
+        # After a signal-initiated shutdown uvicorn re-raises the signal: the process ends here.
+        server.run(sockets=[sock])
     except SystemExit:
         if not server.signals:
             raise

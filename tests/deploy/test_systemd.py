@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import poll
 from tests.notify import NotifySocket
-from tests.servers import ServerProcess, engine_env, free_port
+from tests.servers import NO_COMPILE_WHEN_EAGER, ServerProcess, engine_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "deploy" / "systemd"
@@ -136,7 +136,7 @@ def test_direct_unit_execstart_notifies_and_stops_on_sigterm(
     argv = [sys.executable, "-m", "server", *argv[1:]]  # this environment's vlguard
 
     srv = ServerProcess(argv, tmp_path / "unit.log", port=port, ready_path="/health")
-    srv.env = engine_env(**env, NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="2000000")
+    srv.env = engine_env(**NO_COMPILE_WHEN_EAGER, **env, NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC="2000000")
     srv.proc = subprocess.Popen(argv, stdout=srv.log_path.open("wb"), stderr=subprocess.STDOUT, env=srv.env,
                                 cwd=REPO, start_new_session=True)  # fmt: skip
     try:

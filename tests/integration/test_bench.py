@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from PIL import Image
 
-from tests.servers import REPO, TINY_PROFILE, ServerProcess
+from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, TINY_PROFILE, ServerProcess
 
 
 def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``vlguard bench ARGS``; the servers it starts are eager, so both get :data:`NO_COMPILE_WHEN_EAGER`."""
     proc = subprocess.run(
         [sys.executable, "-m", "server", "bench", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False,
+        env={**os.environ, **NO_COMPILE_WHEN_EAGER},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tests.helpers import assert_session_ends, engine_core, poll, process_name, session_processes
-from tests.servers import REPO, ServerProcess, engine_env, free_port, vlguard_argv
+from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, ServerProcess, engine_env, free_port, vlguard_argv
 
 EAGER = ("--enforce-eager", "--guard-watchdog-interval", "0.5")
 
@@ -130,8 +130,9 @@ def test_make_serve_sigterm(sessions: list[int], tiny_model: Path, tmp_path: Pat
     port = free_port()
     log = (tmp_path / "make.log").open("wb")
     make = subprocess.Popen(["make", "--no-print-directory", "serve", f"VLLM={vllm.__version__}", f"MODEL={tiny_model}",
-                             f"PORT={port}", "SERVE_ARGS=" + " ".join(EAGER)], cwd=REPO, env=engine_env(),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                             f"PORT={port}", "SERVE_ARGS=" + " ".join(EAGER)], cwd=REPO,
+                            env=engine_env(**NO_COMPILE_WHEN_EAGER), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     sessions.append(make.pid)
     try:
         srv = ServerProcess([], tmp_path / "make.log", port=port)

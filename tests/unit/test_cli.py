@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,24 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert cfg["guard"]["patches"] is True
     assert engine["mm_processor_cache_gb"] == 0  # vlguard's override is shown, as it will be applied
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
+
+
+def test_a_port_in_use_fails_the_start_before_the_engine_is_built(tmp_path: Path) -> None:
+    """The HTTP port is bound before the engine is built (as ``vllm serve`` does): a port in use ends the
+    start at once with status 3, and the engine's processes can never take the port while they start (a CI
+    run lost a server that way: "address already in use" after 39 s of engine start-up)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "server", "serve", *PRODUCTION_LINE, "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)},
+        )  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "EngineCore" not in out.stderr and "engine start" not in out.stderr
 
 
 def test_production_profile_equals_production_line() -> None:
