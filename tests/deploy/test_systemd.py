@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -21,14 +22,19 @@ from tests.servers import NO_COMPILE_WHEN_EAGER, ServerProcess, engine_env, free
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "deploy" / "systemd"
-UNITS = ("vlguard.service", "vlguard-docker.service")
+UNITS = ("vlguard.service", "vlguard-docker.service", "vlguard@.service")
+DIRECT = ("vlguard.service", "vlguard@.service")  # run vlguard itself (not a container)
 VENV = "/opt/vlguard/venv"
 
 
-def unit(name: str) -> dict[str, list[str]]:
-    """``key -> values`` of a unit file (continuation lines joined; repeated keys kept in order)."""
+def unit(name: str, instance: str | None = None) -> dict[str, list[str]]:
+    """``key -> values`` of a unit file (continuation lines joined; repeated keys kept in order); a
+    template's ``%i`` replaced by ``instance`` when given."""
     entries: dict[str, list[str]] = {}
-    for line in (SYSTEMD / name).read_text().replace("\\\n", " ").splitlines():
+    text = (SYSTEMD / name).read_text()
+    if instance is not None:
+        text = text.replace("%i", instance)
+    for line in text.replace("\\\n", " ").splitlines():
         if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
             key, value = line.split("=", 1)
             entries.setdefault(key.strip(), []).append(value.strip())
@@ -70,7 +76,10 @@ def test_units_verify(systemd_analyze: str, tmp_path: Path) -> None:
         text = (SYSTEMD / name).read_text()
         text = text.replace(f"{VENV}/bin/vlguard", str(Path(sys.executable).parent / "vlguard"))
         (tmp_path / name).write_text(text.replace("/usr/bin/docker", docker))
-        files = [str(tmp_path / name)] + ([str(tmp_path / "docker.service")] if "docker" in name else [])
+        # A template is verified through an instance of it (systemd finds the template beside it).
+        files = [str(tmp_path / name.replace("@.", "@0."))] + (
+            [str(tmp_path / "docker.service")] if "docker" in name else []
+        )
         result = subprocess.run([systemd_analyze, "verify", *files], capture_output=True, text=True, check=False)
         assert result.returncode == 0 and not result.stderr.strip(), (name, result.stderr)
 
@@ -78,15 +87,17 @@ def test_units_verify(systemd_analyze: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", UNITS)
 def test_units_carry_the_production_settings(name: str) -> None:
     u = unit(name)
-    assert u["Restart"] == ["on-failure"] and u["EnvironmentFile"] == ["/etc/vlguard/vlguard.env"]
+    expected_env_file = "/etc/vlguard/vlguard-%i.env" if "@" in name else "/etc/vlguard/vlguard.env"
+    assert u["Restart"] == ["on-failure"] and u["EnvironmentFile"] == [expected_env_file]
     assert u["TimeoutStartSec"] == ["30min"]
     assert u["NoNewPrivileges"] == ["true"] and u["ProtectSystem"] == ["strict"] and u["PrivateTmp"] == ["true"]
     assert "143" in u["SuccessExitStatus"][0]  # SIGTERM's status is a clean stop
     assert u["StandardOutput"] == ["journal"]
 
 
-def test_direct_unit_is_notify_with_a_watchdog() -> None:
-    u = unit("vlguard.service")
+@pytest.mark.parametrize("name", DIRECT)
+def test_direct_unit_is_notify_with_a_watchdog(name: str) -> None:
+    u = unit(name)
     assert u["Type"] == ["notify"] and u["WatchdogSec"] == ["120s"] and u["NotifyAccess"] == ["main"]
 
 
@@ -99,10 +110,32 @@ def test_docker_unit_waits_for_the_container_to_be_healthy() -> None:
     assert "--rm" in u["ExecStart"][0] and "${VLGUARD_IMAGE}" in u["ExecStart"][0]
 
 
-def test_direct_unit_grants_the_nvidia_devices() -> None:
-    u = unit("vlguard.service")
+@pytest.mark.parametrize(("name", "gpu"), [("vlguard.service", "0"), ("vlguard@.service", "2")])
+def test_direct_unit_grants_the_nvidia_devices(name: str, gpu: str) -> None:
+    u = unit(name, instance=gpu)
     assert u["DevicePolicy"] == ["closed"]
-    assert {"/dev/nvidiactl rw", "/dev/nvidia-uvm rw", "/dev/nvidia0 rw"} <= set(u["DeviceAllow"])
+    assert {"/dev/nvidiactl rw", "/dev/nvidia-uvm rw", f"/dev/nvidia{gpu} rw"} <= set(u["DeviceAllow"])
+    assert [d for d in u["DeviceAllow"] if re.fullmatch(r"/dev/nvidia\d+ rw", d)] == [f"/dev/nvidia{gpu} rw"]
+
+
+def test_template_instance_serves_its_gpu_on_its_port(tmp_path: Path) -> None:
+    """``vlguard@3``: GPU 3 (CUDA_VISIBLE_DEVICES), port 8003, its own metric directory; the ExecStart line
+    expanded as systemd would (Environment=, then the instance's env file) parses to that address."""
+    u = unit("vlguard@.service", instance="3")
+    env = dict(a.split("=", 1) for a in u["Environment"])
+    assert u["EnvironmentFile"] == ["/etc/vlguard/vlguard-3.env"]
+    env.update(env_file(SYSTEMD / "vlguard@.env.example"))  # the file overrides Environment=
+    env.update(VLGUARD_PROFILE=str(REPO / "config" / "qwen3-vl-30b-a3b-fp8.yaml"))
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["PROMETHEUS_MULTIPROC_DIR"] == "/run/vlguard-3/metrics"
+    assert u["RuntimeDirectory"] == ["vlguard-3"] and u["SyslogIdentifier"] == ["vlguard@3"]
+    argv = expand(u["ExecStart"][0], env)
+    out = subprocess.run(
+        [sys.executable, "-m", "server", *argv[1:], "--print-config"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["frontend"]["port"] == 8003
 
 
 @pytest.fixture
