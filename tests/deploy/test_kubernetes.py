@@ -1,0 +1,104 @@
+"""The Kubernetes manifests (deploy/kubernetes, kustomize): rendered with ``kubectl kustomize`` and validated
+offline against the Kubernetes schemas by kubernetes-validate (pinned, installed by
+scripts/system-tools.sh); then the settings vlguard's endpoints and shutdown need (#19)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from server.settings import GuardSettings
+
+REPO = Path(__file__).resolve().parents[2]
+KUSTOMIZE_DIR = REPO / "deploy" / "kubernetes"
+#: The oldest Kubernetes minor the manifests are checked against (policy/v1 PDB, GA startup probes).
+KUBERNETES_VERSION = "1.30.0"
+PRESTOP_S = 10
+
+
+def _tool(path: str | None, name: str) -> str:
+    if path is None or not Path(path).exists():
+        pytest.fail(f"{name} not found: run scripts/system-tools.sh (make test does)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kubectl = _tool(shutil.which("kubectl"), "kubectl")
+    out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZE_DIR)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    path = tmp_path_factory.mktemp("k8s") / "rendered.yaml"
+    path.write_text(out.stdout)
+    return path
+
+
+@pytest.fixture(scope="module")
+def resources(rendered: Path) -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(rendered.read_text())}
+
+
+def test_rendered_manifests_pass_the_kubernetes_schemas(rendered: Path) -> None:
+    cache = Path(os.environ.get("VLGUARD_CACHE", Path.home() / ".cache" / "vlguard"))
+    validator = _tool(str(cache / "tools-venv" / "bin" / "kubernetes-validate"), "kubernetes-validate")
+    out = subprocess.run(
+        [validator, "--strict", "-k", KUBERNETES_VERSION, str(rendered)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    checked = out.stdout + out.stderr
+    for kind in ("deployment", "service", "poddisruptionbudget", "persistentvolumeclaim", "namespace"):
+        assert f"passed for resource {kind}/" in checked, checked
+    # The Prometheus Operator's PodMonitor is a custom resource: no schema in the validator (checked below).
+    assert "Couldn't find schema for kind PodMonitor" in checked
+
+
+def _container(resources: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    containers = resources["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    result: dict[str, Any] = containers[0]
+    return result
+
+
+def test_probes_map_onto_vlguards_endpoints(resources: dict[str, dict[str, Any]]) -> None:
+    c = _container(resources)
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60  # a cold start of the 30B model
+    assert {p["containerPort"] for p in c["ports"]} == {8000} and "8000" in c["args"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_grace_period_covers_prestop_and_vlguards_worst_case_shutdown(resources: dict[str, dict[str, Any]]) -> None:
+    """terminationGracePeriodSeconds >= preStop + drain + 3 x engine shutdown bound + 20 s (docs/guard.md)."""
+    c = _container(resources)
+    env = {e["name"]: e["value"] for e in c["env"]}
+    defaults = GuardSettings()
+    drain = float(env.get("VLGUARD_DRAIN_TIMEOUT", defaults.drain_timeout))
+    worst = drain + 3 * defaults.shutdown_timeout + 20
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_S)]
+    grace = resources["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= PRESTOP_S + worst, (grace, PRESTOP_S, worst)
+
+
+def test_service_pdb_and_podmonitor_select_the_pods(resources: dict[str, dict[str, Any]]) -> None:
+    labels = resources["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    selectors = {
+        "Deployment": resources["Deployment"]["spec"]["selector"]["matchLabels"],
+        "Service": resources["Service"]["spec"]["selector"],
+        "PodDisruptionBudget": resources["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+        "PodMonitor": resources["PodMonitor"]["spec"]["selector"]["matchLabels"],
+    }
+    for kind, selector in selectors.items():
+        assert selector and selector.items() <= labels.items(), kind
+    assert resources["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
+    monitor = resources["PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert resources["Service"]["spec"]["ports"][0]["targetPort"] == "http"
