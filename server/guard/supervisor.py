@@ -44,6 +44,7 @@ from server.metrics.registry import mark_process_dead
 from server.settings import GuardSettings
 
 if TYPE_CHECKING:
+    import psutil
     from vllm.engine.arg_utils import AsyncEngineArgs
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class Supervisor:
         self._latest: Engine | None = None
         self._serving_renderer: object | None = None
         self._pids: list[int] = []
+        self._tree: list[psutil.Process] = []
         self._settled = asyncio.Event()
         self._changed = asyncio.Event()  # set (and replaced) at every state change
         self._held = 0
@@ -338,6 +340,7 @@ class Supervisor:
         if self._serving_renderer is None:
             self._serving_renderer = engine.renderer
         self._pids = watchdog.engine_core_pids(engine)
+        self._tree = watchdog.process_tree(self._pids)  # workers too: orphaned once their engine core dies
         self._soft_read, self._soft_cut = set(), set()
         self.generation += 1
         self.last_progress = self.last_output = self.clock()
@@ -448,8 +451,9 @@ class Supervisor:
 
     async def _teardown(self) -> None:
         engine, self._engine = self._engine, None
-        pids, self._pids = self._pids, []
-        killed = await asyncio.to_thread(watchdog.kill_tree, pids)  # a stopped or hung core cannot exit cleanly
+        pids, self._pids, tree, self._tree = self._pids, [], self._tree, []
+        # A stopped or hung core cannot exit cleanly; the workers of a killed one are orphans by now.
+        killed = await asyncio.to_thread(watchdog.kill_tree, pids, tree)
         if engine is not None:
             # vLLM's serving classes keep the first engine's renderer (tokenizer, chat template, multimodal
             # processor: API-side only, no engine-core state with the processor cache off). AsyncLLM's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -60,13 +60,20 @@ def process_problem(pids: list[int]) -> DeathCause | None:
     return None
 
 
-def kill_tree(pids: list[int]) -> list[int]:
-    """SIGKILL the processes and their descendants (a hung or stopped child cannot shut down cleanly).
+def kill_tree(pids: list[int], known: Sequence[psutil.Process] = ()) -> list[int]:
+    """SIGKILL the processes and their descendants (a hung or stopped child cannot shut down cleanly), and
+    the ``known`` processes of that tree recorded earlier that still run: once an engine core is killed,
+    its workers are orphans (their parent is init), out of reach of a descendant search, and on a busy
+    CPU their own parent-death watch can take a minute to fire (measured: a worker bound to a core shared
+    with another engine outlived its killed engine core by 80 s, starving the rebuild). psutil's
+    ``is_running`` compares creation times, so a reused PID is never hit.
 
     Returns:
         The PIDs that were killed.
     """
     procs = process_tree(pids)
+    seen = {p.pid for p in procs}
+    procs += [p for p in known if p.pid not in seen and p.is_running()]
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
