@@ -3,19 +3,52 @@
 #   systemd-analyze (package systemd): `systemd-analyze verify` of deploy/systemd/*.service;
 #   prometheus and promtool (package prometheus): the alert rules' unit tests and the real Prometheus
 #   server the observability tests scrape vlguard with (started by the tests on loopback, never as a
-#   service).
-# Needs root (CI runs as root); otherwise prints the apt-get line to run and fails.
+#   service);
+#   haproxy (package haproxy): the shipped load-balancer configuration run in front of two replicas
+#   (started by the tests in the foreground on loopback, never as a service).
+#   kubectl (package kubectl): `kubectl kustomize deploy/kubernetes` (renders offline);
+#   docker (package docker.io) and debootstrap: the image built on a stand-in base and run for real
+#   (scripts/standin-base.sh); dockerd is started here when it is not running (overlay2, cgroupfs; log in
+#   /var/log/vlguard-dockerd.log);
+#   kubernetes-validate (PyPI, pinned, in its own venv $VLGUARD_CACHE/tools-venv): the rendered manifests
+#   checked against the Kubernetes schemas, offline.
+# The apt part needs root (CI runs as root); otherwise it prints the apt-get line to run and fails.
 set -euo pipefail
+
+KUBERNETES_VALIDATE=1.37.0
+tools="${VLGUARD_CACHE:-$HOME/.cache/vlguard}/tools-venv"
+if ! "$tools/bin/kubernetes-validate" --version 2>/dev/null | grep -qx "$KUBERNETES_VALIDATE"; then
+  echo "system-tools.sh: installing kubernetes-validate==$KUBERNETES_VALIDATE in $tools" >&2
+  rm -rf "$tools" && python3 -m venv "$tools"
+  "$tools/bin/python" -m pip install --no-input --progress-bar off -q "kubernetes-validate==$KUBERNETES_VALIDATE" >&2
+fi
 
 need=()
 command -v systemd-analyze >/dev/null || need+=(systemd)
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || need+=(prometheus)
-[ ${#need[@]} -eq 0 ] && exit 0
+{ command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ]; } || need+=(haproxy)
+command -v kubectl >/dev/null || need+=(kubectl)
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 
-if [ "$(id -u)" != 0 ]; then
-  echo "system-tools.sh: missing ${need[*]}; run: sudo apt-get install -y ${need[*]}" >&2
-  exit 1
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "system-tools.sh: missing ${need[*]}; run: sudo apt-get install -y ${need[*]}" >&2
+    exit 1
+  fi
+  echo "system-tools.sh: installing ${need[*]}" >&2
+  apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
 fi
-echo "system-tools.sh: installing ${need[*]}" >&2
-apt-get update -qq >&2
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+
+if ! docker info >/dev/null 2>&1; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "system-tools.sh: no Docker engine answers; start dockerd (as root)" >&2
+    exit 1
+  fi
+  echo "system-tools.sh: starting dockerd" >&2
+  setsid dockerd --storage-driver=overlay2 --exec-opt native.cgroupdriver=cgroupfs \
+    >>/var/log/vlguard-dockerd.log 2>&1 < /dev/null &
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { echo "system-tools.sh: dockerd did not start" >&2; tail -20 /var/log/vlguard-dockerd.log >&2; exit 1; }
+fi
