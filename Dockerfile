@@ -11,7 +11,8 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # 1. vlguard's own dependencies that the vLLM image lacks (fastapi, uvicorn, pydantic, prometheus-client
 #    and httpx come with vLLM). --no-deps everywhere: the image's vLLM, torch and CUDA libraries stay as
-#    built. dumb-init is PID 1: it forwards SIGTERM and reaps the engine's orphaned children.
+#    built. dumb-init is PID 1: it forwards SIGTERM to vlguard alone (--single-child: by default it signals
+#    the whole process group, so the engine core stopped mid-drain) and reaps orphaned children.
 RUN python3 -m pip install --no-cache-dir --no-deps \
         "pydantic-settings==2.16.3" "python-dotenv>=1.0" "typing-inspection>=0.4" \
         "sdnotify==0.3.2" "dumb-init==1.2.5.post1"
@@ -39,4 +40,4 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('VLGUARD_PORT', '8000'), timeout=4)"]
 
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["dumb-init", "--", "vlguard-entrypoint"]
+ENTRYPOINT ["dumb-init", "--single-child", "--", "vlguard-entrypoint"]

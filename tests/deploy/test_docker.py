@@ -1,4 +1,5 @@
-"""The Docker image's build file and entrypoint, checked without a Docker engine (none on these machines)."""
+"""The Docker image's build file and entrypoint, checked without building it (fast). The image built and
+run by a real Docker engine: test_docker_engine.py."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_the_stock_image_is_the_base() -> None:
     text = DOCKERFILE.read_text()
     assert "ARG VLLM_IMAGE=vllm/vllm-openai:v0.20.0" in text
     assert re.search(r"^FROM \$\{VLLM_IMAGE\}$", text, re.M)
-    assert 'ENTRYPOINT ["dumb-init", "--", "vlguard-entrypoint"]' in text
+    assert 'ENTRYPOINT ["dumb-init", "--single-child", "--", "vlguard-entrypoint"]' in text
     assert "HEALTHCHECK" in text and "/health" in text
 
 

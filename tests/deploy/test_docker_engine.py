@@ -1,0 +1,141 @@
+"""vlguard's image built and run by a real Docker engine (#19): ``Dockerfile`` on a stand-in for the stock
+base image (scripts/standin-base.sh: the lane's CPU environment with the stock image's contract; the real
+base cannot be pulled here), then the container serves the tiny model on loopback (``--network host``):
+an image request, the image's HEALTHCHECK reaching ``healthy``, an engine-core SIGKILL inside the
+container recovered, no zombie under dumb-init, and ``docker stop`` draining and ending with 143.
+
+Nothing is pulled from an image registry. The stand-in is built once per lane environment and kept."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from server.workload.images import photo_uri
+from server.workload.twopass import primary_messages
+from tests.helpers import metric, poll
+from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, ServerProcess, free_port
+
+#: The image's own HEALTHCHECK command, checked every 2 s here instead of 30 s (docker run's override of
+#: the interval only), so that ``healthy`` comes within seconds of the engine being up.
+HEALTH_INTERVAL = "2s"
+
+
+def docker(*args: str, timeout_s: float = 600) -> str:
+    out = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert out.returncode == 0, f"docker {' '.join(args)}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """vlguard's image built on the stand-in base of this lane (the base is cached between runs)."""
+    import vllm
+
+    if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
+        pytest.fail("no Docker engine answers: run scripts/system-tools.sh as root (make test does)")
+    base = subprocess.run(
+        [str(REPO / "scripts" / "standin-base.sh"), vllm.__version__],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert base.returncode == 0, base.stderr[-3000:]
+    standin = base.stdout.split()[-1]
+    tag = f"vlguard-test:{vllm.__version__}"
+    docker("build", "--network", "host", "--build-arg", f"VLLM_IMAGE={standin}", "-t", tag, str(REPO))
+    return tag
+
+
+@pytest.fixture(scope="module")
+def container(image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Own launch (in a container): the image's entrypoint with the tiny model mounted read-only, on a
+    loopback port. A :class:`ServerProcess` whose ``proc`` is ``docker logs --follow`` (for its log)."""
+    port = free_port()
+    name = f"vlguard-test-{port}"
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLGUARD_PORT": str(port), **NO_COMPILE_WHEN_EAGER}
+    docker(
+        "run", "-d", "--name", name, "--network", "host", "--health-interval", HEALTH_INTERVAL,
+        "-v", f"{tiny_model}:/models/tiny:ro", *[f"-e{k}={v}" for k, v in env.items()],
+        image, "--model", "/models/tiny", "--config", "/opt/vlguard/config/tiny-cpu.yaml", "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port),
+    )  # fmt: skip
+    log = tmp_path_factory.mktemp("logs") / "container.log"
+    srv = ServerProcess([], log, port=port)
+    with log.open("wb") as out:
+        srv.proc = subprocess.Popen(["docker", "logs", "--follow", name], stdout=out, stderr=subprocess.STDOUT)
+    srv.container = name  # type: ignore[attr-defined]
+    try:
+        srv.wait_ready(600)  # fails at once if the container exits (its log stream ends)
+        yield srv
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
+        srv.proc.wait(30)
+
+
+def _state(name: str) -> dict[str, object]:
+    result: dict[str, object] = json.loads(docker("inspect", "-f", "{{json .State}}", name))
+    return result
+
+
+def _container_tree(name: str) -> list[psutil.Process]:
+    """The container's processes as seen from the host: its PID 1 (dumb-init) and everything below it."""
+    init = psutil.Process(int(docker("inspect", "-f", "{{.State.Pid}}", name)))
+    return [init, *init.children(recursive=True)]
+
+
+def _chat(srv: ServerProcess, model: str) -> httpx.Response:
+    body = {"model": model, "messages": primary_messages(photo_uri("coffee.png")), "max_tokens": 8, "temperature": 0}
+    return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
+
+
+def test_the_container_serves_an_image_request_and_turns_healthy(container: ServerProcess) -> None:
+    tree = _container_tree(container.container)  # type: ignore[attr-defined]
+    assert tree[0].name() == "dumb-init", [p.name() for p in tree]
+    resp = _chat(container, "/models/tiny")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] > 50  # the image's tokens reached the engine
+    version = httpx.get(container.url + "/version").json()
+    assert version["patches"]["enabled"] is True
+    poll(lambda: (_state(container.container)["Health"] or {}).get("Status") == "healthy",  # type: ignore[attr-defined,union-attr]
+         60, "HEALTHCHECK healthy")  # fmt: skip
+
+
+def test_an_engine_core_killed_inside_the_container_is_recovered_without_zombies(container: ServerProcess) -> None:
+    name = container.container  # type: ignore[attr-defined]
+    deaths = metric(container, "vlguard_engine_deaths_total")
+    cores = [p for p in _container_tree(name) if "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores) == 1, [p.cmdline() for p in _container_tree(name)]
+    cores[0].send_signal(signal.SIGKILL)
+    resp = _chat(container, "/models/tiny")  # held, then served by the rebuilt engine
+    assert resp.status_code == 200, resp.text
+    assert metric(container, "vlguard_engine_deaths_total") == deaths + 1
+    poll(lambda: httpx.get(container.url + "/ready", timeout=2).status_code == 200, 120, "ready again")
+    zombies = [p.name() for p in _container_tree(name) if p.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == []
+
+
+def test_docker_stop_drains_and_exits_143(container: ServerProcess) -> None:
+    """Last test of the module: ``docker stop`` (SIGTERM to dumb-init, forwarded) while a request runs: the
+    request completes, the container exits 143 (a clean stop for the Docker unit) and its processes end."""
+    name = container.container  # type: ignore[attr-defined]
+    tree = _container_tree(name)
+    body = {"model": "/models/tiny", "messages": [{"role": "user", "content": "Describe a safe ladder."}],
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    url = container.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # the request is running
+        stopper = subprocess.Popen(["docker", "stop", "--time", "95", name], stdout=subprocess.DEVNULL)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"  # drained to the end, not cut
+    assert stopper.wait(120) == 0
+    assert _state(name)["ExitCode"] == 143
+    alive = psutil.wait_procs(tree, timeout=10)[1]
+    assert alive == [], [p.pid for p in alive]
