@@ -48,15 +48,15 @@ def ready_transitions(srv: ServerProcess, stop: threading.Event, seen: list[int]
 
 
 async def wait_inflight(srv: ServerProcess, n: int, timeout_s: float = 120) -> None:
-    """Wait until ``n`` requests are inside the engine at once. The scrape runs in a thread: a blocking
-    call on this event loop holds back the requests' own tasks, so they may trickle in and the first finish
-    before the last starts (CI once saw at most 24 of 32 at once that way, or so it seems: both tests
-    polling like that failed there and passed here). It shows ``n`` only if the requests overlap that long:
-    on a fast machine 8 requests of 256 tokens did not (CI), so the soft-recovery test waits on its
-    streams' first tokens instead."""
-    deadline = time.monotonic() + timeout_s
-    while await asyncio.to_thread(metric, srv, "vlguard_requests_inflight") < n:
-        assert time.monotonic() < deadline, f"{n} requests never were in the engine at once"
+    """Wait until ``n`` requests are inside the engine at once; the failure gives the most seen and the
+    server log's tail. The scrape runs in a thread: a blocking call on this event loop would hold back the
+    requests' own tasks."""
+    deadline, most = time.monotonic() + timeout_s, 0.0
+    while (now := await asyncio.to_thread(metric, srv, "vlguard_requests_inflight")) < n:
+        most = max(most, now)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{n} requests never were in the engine at once (at most {most:g}, now {now:g})\n"
+                                 f"{srv.log_tail(40)}")  # fmt: skip
         await asyncio.sleep(0.05)
 
 
@@ -70,6 +70,9 @@ async def _chat(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[int
 
 
 async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerProcess, model_name: str) -> None:
+    """CASES C5: SIGKILL of the engine core with 32 requests inside the engine (16 non-streaming, 16 streams;
+    half with an image): every non-streaming request 200, streams complete or end with an error event,
+    /ready 200 -> 503 -> 200 and never refused, one death, every request carried over."""
     image = photo_uri("chelsea.png")
     deaths_before = metric(eager_server, "vlguard_engine_deaths_total")
     old_core = engine_core(eager_server)
@@ -88,6 +91,10 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     try:
         async with httpx.AsyncClient(base_url=eager_server.url, timeout=600, limits=limits) as client:
             tasks = [asyncio.create_task(_chat(client, body(i, stream=i >= 16))) for i in range(32)]
+            # Half are decoding; the engine core is stopped (SIGSTOP) so that none finishes before the
+            # rest are in: on a loaded 2-core machine the first ones once ended before the last arrived.
+            await wait_inflight(eager_server, 16)
+            old_core.suspend()
             await wait_inflight(eager_server, 32)
             old_core.send_signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
