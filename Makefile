@@ -12,6 +12,8 @@ PYTEST_ARGS ?=
 # full: every test. lane: the focused suite each engine lane runs (tests marked `lane` but not `full_only`;
 # every unit and in-process API test is marked `lane`).
 SUITE ?= full
+# LINT=no skips lint in `make test` (CI lints once, on the default lane).
+LINT ?= yes
 
 SCENARIO ?= overhead
 BENCH_ARGS ?=
@@ -46,7 +48,7 @@ lint:  ## ruff (lint + format) and mypy
 	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests && \
 	  $$PY -m ruff format --check server tests && $$PY -m mypy
 
-test: lint tools  ## lint, then the test suite (SUITE=full|lane) on the engine lane VLLM (0.20.0, 0.22.1, 0.32.0)
+test: $(if $(filter no,$(LINT)),,lint) tools  ## lint, then the test suite (SUITE=full|lane) on the engine lane VLLM (0.20.0, 0.22.1, 0.32.0)
 	@case "$(SUITE)" in full) marker= ;; lane) marker="lane and not full_only" ;; \
 	  *) echo "SUITE must be full or lane, not '$(SUITE)'" >&2; exit 2 ;; esac; \
 	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $${marker:+-m "$$marker"} $(PYTEST_ARGS)
