@@ -5,8 +5,10 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PROFILE ?= config/tiny-cpu.yaml
 export VLGUARD_CACHE ?= $(HOME)/.cache/vlguard
-TINY_MODEL := $(VLGUARD_CACHE)/tiny-qwen3-vl-$(shell cat server/devmodel.py | sha256sum | cut -c1-12)
-MODEL ?= $(TINY_MODEL)
+# MODEL: the model to serve or bench; empty: the embedded tiny model, built once in $(VLGUARD_CACHE).
+MODEL ?=
+# Shell prefix of the serve/bench recipes: $$PY (the lane's Python) and $$model (MODEL or the tiny model).
+WITH_MODEL = PY=$$(scripts/venv.sh $(VLLM)) && model="$(MODEL)" && model="$${model:-$$($$PY -m server tiny-model)}"
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 # full: every test. lane: the focused suite each engine lane runs (tests marked `lane` but not `full_only`;
@@ -24,22 +26,22 @@ BENCH_ARGS ?=
 venv:  ## create or reuse the environment; prints its Python as the last line
 	@scripts/venv.sh $(VLLM)
 
-tiny-model:  ## build the embedded tiny Qwen3-VL into the cache (once)
-	@PY=$$(scripts/venv.sh $(VLLM)) && if [ ! -f "$(TINY_MODEL)/model.safetensors" ]; then \
-	  rm -rf "$(TINY_MODEL).tmp" && $$PY -m server tiny-model "$(TINY_MODEL).tmp" >/dev/null && \
-	  mv "$(TINY_MODEL).tmp" "$(TINY_MODEL)"; fi; echo "$(TINY_MODEL)"
+tiny-model:  ## build the embedded tiny Qwen3-VL into the cache (once); prints its directory
+	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m server tiny-model
 
-serve: tiny-model  ## serve MODEL (default: the tiny model) on HOST:PORT through vlguard (SERVE_ARGS: more flags)
-	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
-	  exec $$PY -m server serve "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+serve:  ## serve MODEL (default: the tiny model) on HOST:PORT through vlguard (SERVE_ARGS: more flags)
+	@$(WITH_MODEL) && \
+	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} \
+	  exec $$PY -m server serve "$$model" --config $(PROFILE) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-serve-stock: tiny-model  ## the stock vLLM OpenAI server on the same model and profile (vlguard's plugins off)
-	@PY=$$(scripts/venv.sh $(VLLM)) && VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_PLUGINS= \
-	  exec $$PY -m vllm.entrypoints.openai.api_server --model "$(MODEL)" --config $(PROFILE) --host $(HOST) --port $(PORT)
+serve-stock:  ## the stock vLLM OpenAI server on the same model and profile (vlguard's plugins off)
+	@$(WITH_MODEL) && \
+	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_PLUGINS= \
+	  exec $$PY -m vllm.entrypoints.openai.api_server --model "$$model" --config $(PROFILE) --host $(HOST) --port $(PORT)
 
-bench: tiny-model  ## vlguard bench compare --scenario SCENARIO on MODEL and PROFILE (BENCH_ARGS: more bench flags)
-	@PY=$$(scripts/venv.sh $(VLLM)) && exec $$PY -m server bench compare "$(MODEL)" --scenario $(SCENARIO) \
-	  $(BENCH_ARGS) -- --config $(PROFILE)
+bench:  ## vlguard bench compare --scenario SCENARIO on MODEL and PROFILE (BENCH_ARGS: more bench flags)
+	@$(WITH_MODEL) && \
+	  exec $$PY -m server bench compare "$$model" --scenario $(SCENARIO) $(BENCH_ARGS) -- --config $(PROFILE)
 
 tools:  ## system tools the deploy tests drive (systemd-analyze), from Debian's packages when missing
 	@scripts/system-tools.sh

@@ -3,7 +3,7 @@
 ``vlguard serve [model] [every vllm serve flag] [--guard-* flags]`` parses with vLLM's own parser
 (``make_arg_parser``, ``FlexibleArgumentParser``: so ``--model X``, ``--config profile.yaml`` and every
 engine flag behave exactly as under ``vllm serve``), plus one ``--guard-<name>`` flag per field of
-:class:`server.settings.GuardSettings`. ``vlguard tiny-model DIR`` writes the embedded tiny Qwen3-VL.
+:class:`server.settings.GuardSettings`. ``vlguard tiny-model [DIR]`` writes the embedded tiny Qwen3-VL.
 ``vlguard bench twopass|compare`` runs the two-pass workload and the side-by-side benchmarks
 (:mod:`server.workload.cli`).
 
@@ -64,11 +64,15 @@ def build_parser() -> FlexibleArgumentParser:
     )
     make_arg_parser(serve)
     _add_guard_args(serve)
-    tiny = sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL to DIR.")
-    tiny.add_argument("dir", help="Output directory (created if missing).")
+    _add_tiny_model_args(sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL (DIR or the cache)."))
     # Listed for --help only: main() hands `bench ...` to server.workload.cli before this parser runs.
     sub.add_parser("bench", help="Two-pass workload and side-by-side benchmarks (vlguard bench --help).")
     return parser
+
+
+def _add_tiny_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", nargs="?", help="Output directory (created if missing); default: built once in "
+                        "$VLGUARD_CACHE (~/.cache/vlguard) at a stable path. Prints the directory.")  # fmt: skip
 
 
 def guard_settings(args: argparse.Namespace) -> GuardSettings:
@@ -141,10 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         prepare_multiprocess_dir()
 
     if argv[:1] == ["tiny-model"]:
-        args = build_parser().parse_args(argv)
+        tiny = argparse.ArgumentParser(prog="vlguard tiny-model")  # without vLLM's serve parser: no vLLM import
+        _add_tiny_model_args(tiny)
+        args = tiny.parse_args(argv[1:])
         from server.devmodel import build_tiny_model
+        from server.devmodel_cache import cached_tiny_model
 
-        print(build_tiny_model(args.dir))
+        print(build_tiny_model(args.dir) if args.dir else cached_tiny_model())
         return
 
     args, settings = resolve_serve_args(argv)

@@ -33,34 +33,11 @@ def token_ids(model: Path, text: str) -> list[int]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The embedded tiny Qwen3-VL at a path that is the same in every session on a machine:
-    ``$VLGUARD_CACHE/tiny-qwen3-vl-<devmodel.py hash>-tf<transformers version>``, built once (atomically).
+    """The embedded tiny Qwen3-VL at its stable cache path (:func:`server.devmodel.cached_tiny_model`): vLLM's
+    compile cache, keyed by the model path, then serves later sessions and CI runs on the machine."""
+    from server.devmodel_cache import cached_tiny_model
 
-    A stable path, because vLLM's torch.compile cache is keyed by the engine configuration, which holds
-    the model's path: under a per-session temporary directory every compiled launch compiled from scratch
-    (~40 s); here a later session or CI run finds the compiled artifacts of the earlier ones.
-    """
-    import hashlib
-    import os
-    import shutil
-    import tempfile
-
-    import transformers
-
-    from server import devmodel
-
-    digest = hashlib.sha256(Path(devmodel.__file__).read_bytes()).hexdigest()[:12]
-    cache = Path(os.environ.get("VLGUARD_CACHE", Path.home() / ".cache" / "vlguard"))
-    path = cache / f"tiny-qwen3-vl-{digest}-tf{transformers.__version__}"
-    if not (path / "model.safetensors").exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=cache))
-        devmodel.build_tiny_model(tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another session built it meanwhile
-            shutil.rmtree(tmp)
-    return path
+    return cached_tiny_model()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -52,10 +53,17 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tag
 
 
+@dataclass
+class ContainerServer(ServerProcess):
+    """A server in container ``name``; ``proc`` is ``docker logs --follow`` (for the log)."""
+
+    name: str = ""
+
+
 @pytest.fixture(scope="module")
-def container(image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def container(image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerServer]:
     """Own launch (in a container): the image's entrypoint with the tiny model mounted read-only, on a
-    loopback port. A :class:`ServerProcess` whose ``proc`` is ``docker logs --follow`` (for its log)."""
+    loopback port."""
     port = free_port()
     name = f"vlguard-test-{port}"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLGUARD_PORT": str(port), **NO_COMPILE_WHEN_EAGER}
@@ -66,10 +74,9 @@ def container(image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFac
         "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
     log = tmp_path_factory.mktemp("logs") / "container.log"
-    srv = ServerProcess([], log, port=port)
+    srv = ContainerServer([], log, port=port, name=name)
     with log.open("wb") as out:
         srv.proc = subprocess.Popen(["docker", "logs", "--follow", name], stdout=out, stderr=subprocess.STDOUT)
-    srv.container = name  # type: ignore[attr-defined]
     try:
         srv.wait_ready(600)  # fails at once if the container exits (its log stream ends)
         yield srv
@@ -83,31 +90,36 @@ def _state(name: str) -> dict[str, object]:
     return result
 
 
+def _health(name: str) -> object:
+    """The container's HEALTHCHECK status ("starting", "healthy", "unhealthy"), None without one."""
+    health = _state(name).get("Health")
+    return health.get("Status") if isinstance(health, dict) else None
+
+
 def _container_tree(name: str) -> list[psutil.Process]:
     """The container's processes as seen from the host: its PID 1 (dumb-init) and everything below it."""
     init = psutil.Process(int(docker("inspect", "-f", "{{.State.Pid}}", name)))
     return [init, *init.children(recursive=True)]
 
 
-def _chat(srv: ServerProcess, model: str) -> httpx.Response:
+def _chat(srv: ContainerServer, model: str) -> httpx.Response:
     body = {"model": model, "messages": primary_messages(photo_uri("coffee.png")), "max_tokens": 8, "temperature": 0}
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
 
 
-def test_the_container_serves_an_image_request_and_turns_healthy(container: ServerProcess) -> None:
-    tree = _container_tree(container.container)  # type: ignore[attr-defined]
+def test_the_container_serves_an_image_request_and_turns_healthy(container: ContainerServer) -> None:
+    tree = _container_tree(container.name)
     assert tree[0].name() == "dumb-init", [p.name() for p in tree]
     resp = _chat(container, "/models/tiny")
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["prompt_tokens"] > 50  # the image's tokens reached the engine
     version = httpx.get(container.url + "/version").json()
     assert version["patches"]["enabled"] is True
-    poll(lambda: (_state(container.container)["Health"] or {}).get("Status") == "healthy",  # type: ignore[attr-defined,union-attr]
-         60, "HEALTHCHECK healthy")  # fmt: skip
+    poll(lambda: _health(container.name) == "healthy", 60, "HEALTHCHECK healthy")
 
 
-def test_an_engine_core_killed_inside_the_container_is_recovered_without_zombies(container: ServerProcess) -> None:
-    name = container.container  # type: ignore[attr-defined]
+def test_an_engine_core_killed_inside_the_container_is_recovered_without_zombies(container: ContainerServer) -> None:
+    name = container.name
     deaths = metric(container, "vlguard_engine_deaths_total")
     cores = [p for p in _container_tree(name) if "EngineCore" in " ".join(p.cmdline())]
     assert len(cores) == 1, [p.cmdline() for p in _container_tree(name)]
@@ -120,10 +132,10 @@ def test_an_engine_core_killed_inside_the_container_is_recovered_without_zombies
     assert zombies == []
 
 
-def test_docker_stop_drains_and_exits_143(container: ServerProcess) -> None:
+def test_docker_stop_drains_and_exits_143(container: ContainerServer) -> None:
     """Last test of the module: ``docker stop`` (SIGTERM to dumb-init, forwarded) while a request runs: the
     request completes, the container exits 143 (a clean stop for the Docker unit) and its processes end."""
-    name = container.container  # type: ignore[attr-defined]
+    name = container.name
     tree = _container_tree(name)
     body = {"model": "/models/tiny", "messages": [{"role": "user", "content": "Describe a safe ladder."}],
             "max_tokens": 400, "temperature": 0, "ignore_eos": True}  # fmt: skip

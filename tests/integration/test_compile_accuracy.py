@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
 from server.patches.deepstack import EMPTY_BUFFER
 from tests.integration.outputs import IMAGE_PROMPTS, TEXT_PROMPT, Greedy, assert_same, greedy
-from tests.lanes import has_defect
+from tests.lanes import expected_patches, has_defect
 from tests.servers import ServerProcess, SharedServer, vlguard_argv
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
@@ -48,6 +49,10 @@ def compiled_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     yield from _serve(tiny_model, tmp_path_factory, "compiled-stock", "--guard-patches", "off")
 
 
+# Where upstream fixed the defect, vlguard activates no patch, so the session's compiled server runs vLLM's
+# model code unchanged and test_patched_compiled_matches_eager_after_text_first shows stock == eager there:
+# a launch of its own would show it again (~60 s of a lane).
+@pytest.mark.skipif(not has_defect(EMPTY_BUFFER), reason="fixed upstream on this lane: the shared server shows it")
 def test_stock_compiled_ignores_image_deepstack(
     compiled_stock: OpenAI, eager_reference: dict[str, Greedy], model_name: str
 ) -> None:
@@ -57,17 +62,16 @@ def test_stock_compiled_ignores_image_deepstack(
         for name, msgs in IMAGE_PROMPTS.items()
         if greedy(compiled_stock, model_name, msgs).token_ids != eager_reference[name].token_ids
     ]
-    if has_defect(EMPTY_BUFFER):
-        assert differing == list(IMAGE_PROMPTS)  # the bug is visible on every image prompt
-    else:
-        assert differing == []  # fixed upstream on this lane: nothing for vlguard to do
+    assert differing == list(IMAGE_PROMPTS)  # the bug is visible on every image prompt
 
 
 def test_patched_compiled_matches_eager_after_text_first(
     server: SharedServer, eager_reference: dict[str, Greedy], model_name: str
 ) -> None:
     """The shared server is compiled and patched, its very first request was text-only (CASES C4), then
-    come the image prompts (C3). It also emulates CUDA-graph padding: outputs must still equal eager's."""
+    come the image prompts (C3). It also emulates CUDA-graph padding: outputs must still equal eager's.
+    Where no patch is needed it runs vLLM's model code unchanged: this is then stock's compiled output."""
+    assert httpx.get(server.url + "/version").json()["patches"]["active"] == expected_patches()
     assert_same(server.first_text, eager_reference["text"])
     with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         for name, msgs in IMAGE_PROMPTS.items():

@@ -123,13 +123,14 @@ def test_restart_failures_beyond_budget_exit_non_zero(sessions: list[int], tiny_
 
 
 def test_make_serve_sigterm(sessions: list[int], tiny_model: Path, tmp_path: Path) -> None:
-    """``make serve`` (make as the parent, as a developer runs it): SIGTERM to make reaches vlguard (GNU make
-    passes it to its children), which stops, and nothing of the server is left."""
+    """``make serve`` as README gives it (make as the parent; no MODEL: the tiny model, found in the cache the
+    ``tiny_model`` fixture built): SIGTERM to make reaches vlguard (GNU make passes it to its children),
+    which stops, and nothing of the server is left."""
     import vllm
 
     port = free_port()
     log = (tmp_path / "make.log").open("wb")
-    make = subprocess.Popen(["make", "--no-print-directory", "serve", f"VLLM={vllm.__version__}", f"MODEL={tiny_model}",
+    make = subprocess.Popen(["make", "--no-print-directory", "serve", f"VLLM={vllm.__version__}",
                              f"PORT={port}", "SERVE_ARGS=" + " ".join(EAGER)], cwd=REPO,
                             env=engine_env(**NO_COMPILE_WHEN_EAGER), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip

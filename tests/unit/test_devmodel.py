@@ -35,3 +35,20 @@ def test_chat_template_puts_image_placeholder(tiny_model: Path) -> None:
         add_generation_prompt=True,
     )
     assert text == "<|im_start|>user\nhi<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_cli_builds_the_cached_model_once_without_importing_vllm(tmp_path: Path) -> None:
+    """``vlguard tiny-model`` (what ``make serve`` runs): the stable cache path, built on the first call,
+    found on the second, and no vLLM import (it runs before every ``make serve``)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from server.cli import main; main(['tiny-model']); assert 'vllm' not in sys.modules"
+    env = {**os.environ, "VLGUARD_CACHE": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]  # fmt: skip
+    first, second = (Path(run.stdout.strip().splitlines()[-1]) for run in runs)
+    assert first == second and first.parent == tmp_path and first.name.startswith("tiny-qwen3-vl-")
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no second build left behind
+    assert (first / "model.safetensors").exists()
