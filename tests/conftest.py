@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny model (built once per session) and the real vlguard servers on it that
-integration, deployment and observability tests share (one per session, started on first use).
+integration, deployment and observability tests share (one per session, started right after collection
+when a collected test uses them, so that they boot while the unit and in-process API tests run).
 
 Every real-engine launch costs ~40 s on this machine, so each configuration is launched once:
 
@@ -40,6 +41,52 @@ def tiny_model() -> Path:
     return cached_tiny_model()
 
 
+def _launch(name: str, tiny_model: Path, logs: Path) -> ServerProcess:
+    """Start (do not wait for) the session server ``name``: ``server`` or ``eager_server``."""
+    if name == "server":
+        env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1")
+        return SharedServer(vlguard_argv(tiny_model), logs / "vlguard.log", env=env).start()
+    poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
+    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison)
+    return ServerProcess(vlguard_argv(tiny_model, "--enforce-eager"), logs / "vlguard-eager.log", env=env).start()
+
+
+#: Session servers started as soon as collection shows that a test will use them: their start-up (25-50 s
+#: each, mostly single-threaded imports and compilation) then overlaps the unit and in-process API tests,
+#: which run first (``testpaths``), instead of adding to the run.
+_EARLY: dict[str, ServerProcess] = {}
+SESSION_SERVERS = ("server", "eager_server")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    wanted = [name for name in SESSION_SERVERS if name in used]
+    if wanted:
+        from server.devmodel_cache import cached_tiny_model
+
+        factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+        for name in wanted:
+            _EARLY[name] = _launch(name, cached_tiny_model(), factory.mktemp("logs"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for srv in _EARLY.values():  # started early but never used (e.g. the run stopped first)
+        srv.stop()
+
+
+def _session_server(name: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """The early-started server ``name`` (or a new one), waited for until ready."""
+    srv = _EARLY.pop(name, None) or _launch(name, tiny_model, tmp_path_factory.mktemp("logs"))
+    try:
+        srv.wait_ready()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 @pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer]:
     """``vlguard serve`` (compiled, patches on) on the tiny model, CUDA-graph padding emulated, on a free
@@ -48,10 +95,9 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     from tests.integration.outputs import TEXT_PROMPT, greedy
 
-    log = tmp_path_factory.mktemp("logs") / "vlguard.log"
-    srv = SharedServer(vlguard_argv(tiny_model), log, env=engine_env(VLGUARD_TEST_EMULATE_PADDING="1")).start()
+    srv = _session_server("server", tiny_model, tmp_path_factory)
+    assert isinstance(srv, SharedServer)
     try:
-        srv.wait_ready()
         with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             srv.first_text = greedy(client, str(tiny_model), TEXT_PROMPT)
         yield srv
@@ -62,12 +108,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="session")
 def eager_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """``vlguard serve --enforce-eager`` (patches on) on the tiny model: the numerical reference."""
-    log = tmp_path_factory.mktemp("logs") / "vlguard-eager.log"
-    poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
-    srv = ServerProcess(vlguard_argv(tiny_model, "--enforce-eager"), log,
-                        env=engine_env(VLGUARD_TEST_POISON_TOKENS=poison)).start()  # fmt: skip
+    srv = _session_server("eager_server", tiny_model, tmp_path_factory)
     try:
-        srv.wait_ready()
         yield srv
     finally:
         srv.stop()

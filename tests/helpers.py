@@ -72,9 +72,38 @@ def engine_core(srv: ServerProcess, timeout_s: float = 30) -> psutil.Process:
     return result
 
 
+def stall_engine(core: psutil.Process) -> psutil.Process:
+    """Stop (SIGSTOP) the model worker of engine core ``core`` so that no request in that engine finishes
+    while a test gathers requests in it; returns the worker. The engine core itself keeps running and
+    accepting requests, so the guard sees neither a stopped engine core nor (for seconds) a hang; when the
+    test then kills the engine core, the guard's teardown must kill the stopped, orphaned worker.
+
+    Raises:
+        AssertionError: the engine core has no worker process (CPU engines always have one)."""
+    workers = [p for p in core.children() if "Worker" in _cmdline(p)]
+    assert len(workers) == 1, [_cmdline(p) for p in core.children()]
+    workers[0].suspend()
+    return workers[0]
+
+
+def gone(proc: psutil.Process) -> bool:
+    """``proc`` has exited (or is a zombie waiting to be reaped)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def metric(srv: ServerProcess, name: str) -> float:
     """One metric's value on the server's ``/metrics``, summed over its labels (0 when absent)."""
     return metric_samples(srv.url).get(name, 0.0)
+
+
+def carried_over(srv: ServerProcess) -> float:
+    """Requests the server's guard carried over an engine death or a soft recovery so far (replayed or
+    resumed)."""
+    samples = metric_samples(srv.url)
+    return samples.get("vlguard_requests_replayed_total", 0.0) + samples.get("vlguard_requests_resumed_total", 0.0)
 
 
 def sse_tokens(lines: Iterable[str]) -> tuple[list[int], str | None]:
