@@ -37,9 +37,13 @@ def cached_tiny_model(cache: str | Path | None = None) -> Path:
     if not (path / "model.safetensors").exists():
         base.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=base))
-        devmodel.build_tiny_model(tmp)
         try:
+            devmodel.build_tiny_model(tmp)
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from a service user (systemd User=, containers)
             tmp.rename(path)
-        except OSError:  # another process built it meanwhile
-            shutil.rmtree(tmp)
+        except OSError:
+            if not (path / "model.safetensors").exists():
+                raise
+        finally:  # another process built it meanwhile, or the build failed
+            shutil.rmtree(tmp, ignore_errors=True)
     return path

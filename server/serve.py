@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -140,17 +141,29 @@ def listen_socket(args: argparse.Namespace) -> socket.socket:
 
 class _Server(uvicorn.Server):
     """uvicorn's server that also tells the supervisor at once when SIGTERM/SIGINT arrives (uvicorn itself
-    looks at its exit flag only once the application has started, which can take minutes)."""
+    looks at its exit flag only once the application has started, which can take minutes), and that
+    starts uvicorn's shutdown (stop accepting, close idle connections, drain) ``delay_s`` seconds after the
+    first signal (``--guard-shutdown-delay``; at once on a second signal)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], delay_s: float = 0.0) -> None:
         super().__init__(config)
         self.on_signal = on_signal
+        self.delay_s = delay_s
         self.signals: list[int] = []
+        self._delayed: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
+        self.on_signal()  # /ready turns 503; only schedules work on the event loop: safe in a signal handler
+        if self.delay_s > 0 and len(self.signals) == 1 and self.started:
+            # uvicorn only reads its exit flag, so setting it from a timer thread is safe.
+            self._delayed = threading.Timer(self.delay_s, super().handle_exit, args=(sig, None))
+            self._delayed.daemon = True
+            self._delayed.start()
+            return
+        if self._delayed is not None:
+            self._delayed.cancel()
         super().handle_exit(sig, frame)
-        self.on_signal()  # only schedules work on the event loop: safe in a signal handler
 
 
 def run(args: argparse.Namespace, settings: GuardSettings) -> int:
@@ -205,7 +218,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # SIGTERM: drain in-flight requests, bounded
     )
-    server = _Server(config, on_signal=supervisor.request_stop)
+    server = _Server(config, on_signal=supervisor.request_stop, delay_s=settings.shutdown_delay)
 
     def give_up() -> None:
         server.should_exit = True

@@ -124,6 +124,12 @@ class GuardSettings(BaseSettings):
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds SIGTERM waits for in-flight requests before the engine is stopped."""
 
+    shutdown_delay: float = Field(default=0.0, ge=0)
+    """Seconds between SIGTERM and the start of the drain: /ready answers 503 at once while new requests
+    are still accepted and served, so that a load balancer stops routing here before connections close
+    (set it above the balancer's detection time; HAProxy: inter x fall). A second signal starts the
+    drain at once."""
+
     shutdown_timeout: float = Field(default=15.0, gt=0)
     """Seconds the engine's own shutdown (and an engine build still in progress) may take at exit before
     vlguard kills the engine's processes."""

@@ -34,7 +34,7 @@ def token_ids(model: Path, text: str) -> list[int]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The embedded tiny Qwen3-VL at its stable cache path (:func:`server.devmodel.cached_tiny_model`): vLLM's
+    """The embedded tiny Qwen3-VL at its stable cache path (:func:`server.devmodel_cache.cached_tiny_model`): vLLM's
     compile cache, keyed by the model path, then serves later sessions and CI runs on the machine."""
     from server.devmodel_cache import cached_tiny_model
 
@@ -59,8 +59,11 @@ SESSION_SERVERS = ("server", "eager_server")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly:
-        return
+    option = session.config.option
+    if option.collectonly or option.setupplan or option.showfixtures or option.show_fixtures_per_test:
+        return  # nothing will run
+    if session.testsfailed:
+        return  # collection errors: pytest stops before running anything
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     wanted = [name for name in SESSION_SERVERS if name in used]
     if wanted:
@@ -72,8 +75,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    for srv in _EARLY.values():  # started early but never used (e.g. the run stopped first)
-        srv.stop()
+    while _EARLY:  # started early but never used (e.g. the run stopped first); each stopped on its own
+        _, srv = _EARLY.popitem()
+        try:
+            srv.stop()
+        except Exception as exc:  # the next one is still stopped
+            print(f"could not stop {srv.argv}: {exc!r}")
 
 
 def _session_server(name: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
@@ -96,8 +103,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     from tests.integration.outputs import TEXT_PROMPT, greedy
 
     srv = _session_server("server", tiny_model, tmp_path_factory)
-    assert isinstance(srv, SharedServer)
     try:
+        assert isinstance(srv, SharedServer)
         with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             srv.first_text = greedy(client, str(tiny_model), TEXT_PROMPT)
         yield srv

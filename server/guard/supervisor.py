@@ -254,8 +254,9 @@ class Supervisor:
         return self._engine
 
     def is_ready(self) -> bool:
-        """READY, and the engine answered (a probe or real output) within three probe intervals."""
-        if self.state is not EngineState.READY:
+        """READY, not asked to stop, and the engine answered (a probe or real output) within three probe
+        intervals."""
+        if self.state is not EngineState.READY or self._stop_requested.is_set():
             return False
         last = max(self.probe_ok_at or 0.0, self.last_output)
         return self.clock() - last <= 3 * self.settings.ready_probe_interval

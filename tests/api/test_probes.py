@@ -168,3 +168,15 @@ async def test_admin_routes_without_an_api_key_answer_loopback_only(api: Api) ->
     async with httpx.AsyncClient(transport=remote, base_url="http://vlguard.test") as client:
         resp = await client.delete("/admin/quarantine")
     assert resp.status_code == 403 and resp.json()["error"]["code"] == 403
+
+
+async def test_a_stop_request_turns_ready_503_while_requests_are_still_served(make_api: Callable[..., object]) -> None:
+    """SIGTERM (``request_stop``) under ``--guard-shutdown-delay``: /ready answers 503 at once, so a load
+    balancer stops routing here, while a request that still arrives is served (the drain starts later)."""
+    api: Api = await make_api()  # type: ignore[misc]
+    api.supervisor.request_stop()
+    await asyncio.sleep(0)  # request_stop schedules the flag on the loop, as from a signal handler
+    ready = await api.client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["ready"] is False and ready.headers["Retry-After"].isdigit()
+    assert (await api.client.get("/health")).status_code == 200  # alive: liveness must not restart it
+    assert (await api.client.post(CHAT, json=chat_body(api.model))).status_code == 200

@@ -116,13 +116,20 @@ def test_shipped_configuration_is_valid_and_retries_only_before_a_response(hapro
     assert set(retry_on) == {"conn-failure", "empty-response", "503"}
 
 
+#: The replica's ``--guard-shutdown-delay``: above the shipped check's detection time (inter 2 s x fall 2).
+#: Without it, a request HAProxy sent on an idle pooled connection just as the replica's SIGTERM closed it
+#: was lost (CI, termination state SD, not retried: its base64 image is larger than tune.bufsize).
+SHUTDOWN_DELAY_S = 5
+
+
 @pytest.fixture(scope="module")
 def replica(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Own launch: its engine core is killed and it gets SIGTERM (the session's eager server is the other,
     untouched replica). Its worker computes on core 1 (the other replica's on core 0, vLLM's automatic
     binding), as each replica has a GPU of its own in production: two CPU engines bound to one core
     starved this one's rebuild for minutes while the other served the workload."""
-    srv = ServerProcess(vlguard_argv(tiny_model, "--enforce-eager", "--guard-watchdog-interval", "0.5"),
+    srv = ServerProcess(vlguard_argv(tiny_model, "--enforce-eager", "--guard-watchdog-interval", "0.5",
+                                     "--guard-shutdown-delay", str(SHUTDOWN_DELAY_S)),
                         tmp_path_factory.mktemp("logs") / "replica.log",
                         env=engine_env(VLLM_CPU_OMP_THREADS_BIND="1")).start()  # fmt: skip
     srv.wait_ready()
