@@ -129,7 +129,7 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
     (no rebuild), every other request is served with the same greedy output as an uninterrupted run, and
     the faulting request is quarantined (400) after its second fault."""
     image = photo_uri("chelsea.png")
-    n_tokens = 512  # ~2 s at this engine's ~2500 tokens/s: still decoding when the poison arrives
+    n_tokens = 2048  # ~7 s for the eight at ~2500 tokens/s: decoding when the poison arrives (512: once not)
 
     def body(i: int) -> dict[str, object]:
         messages = primary_messages(image) if i % 2 else [{"role": "user", "content": f"Site report {i}."}]
