@@ -16,14 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from openai import OpenAI
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
 from tests.conftest import token_ids
-from tests.helpers import assert_session_ends, engine_core, metric, poll, process_name, sse_tokens
+from tests.helpers import assert_session_ends, engine_core, gone, metric, poll, process_name, sse_tokens
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
@@ -191,7 +190,7 @@ def test_stopped_engine_core_is_a_hang_and_recovers(guarded: ServerProcess, mode
     assert metric(guarded, "vlguard_engine_deaths_total") == hangs_before + 1
     text = httpx.get(guarded.url + "/metrics").text
     assert 'vlguard_engine_deaths_total{cause="hang"}' in text
-    assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+    assert gone(core)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import sys
 import psutil
 
 from server.guard import watchdog
-from tests.helpers import poll
+from tests.helpers import gone, poll
 
 #: A parent that starts a child and waits; the child prints its pid, then sleeps.
 PARENT = """
@@ -33,7 +33,7 @@ def test_an_orphaned_worker_recorded_at_start_is_killed_with_its_dead_parent() -
         assert watchdog.process_tree([parent.pid]) == []  # out of reach of a descendant search
         killed = watchdog.kill_tree([parent.pid], tree)
         assert killed == [child_pid]
-        poll(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 10, "the orphan ended")
+        poll(lambda: gone(child), 10, "the orphan ended")
     finally:
         if psutil.pid_exists(child_pid):
             psutil.Process(child_pid).kill()
