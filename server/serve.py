@@ -178,6 +178,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
 
     from server.app import create_app
     from server.guard.fatal import ENV as FATAL_ENV
+    from server.guard.spare import SpareKeeper
     from server.guard.supervisor import EngineState, Supervisor, build_async_llm
 
     _configure_logging()
@@ -204,7 +205,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     os.environ[FATAL_ENV] = state_dir
     parent_watch.enable_for_children()  # engine processes end when this process is gone, however it ends
     factory = functools.partial(build_async_llm, engine_args(args, settings))
-    supervisor = Supervisor(factory, settings, state_dir=state_dir, reap_children=True)
+    spares = SpareKeeper() if settings.spare else None
+    supervisor = Supervisor(factory, settings, state_dir=state_dir, reap_children=True, spares=spares)
     app = create_app(args, settings, supervisor)
     config = uvicorn.Config(
         app,

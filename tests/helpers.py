@@ -99,6 +99,23 @@ def metric(srv: ServerProcess, name: str) -> float:
     return metric_samples(srv.url).get(name, 0.0)
 
 
+def spare_events(srv: ServerProcess) -> dict[str, float]:
+    """``vlguard_engine_spare_events_total`` by event (spawned, died, used, refused)."""
+    samples = metric_samples(srv.url, "vlguard_engine_spare_events", by_label="event")
+    return {k.split("{")[1].rstrip("}"): v for k, v in samples.items() if "{" in k}
+
+
+def spare_processes(srv: ServerProcess) -> list[psutil.Process]:
+    """The server's spare engine processes waiting for a rebuild (``vlguard::spare``: the engine core's
+    spare, a child of the API process, and the worker's, its child)."""
+    return [p for p in srv.children() if process_name(p) == "vlguard::spare"]
+
+
+def wait_spare_ready(srv: ServerProcess, timeout_s: float = 240) -> None:
+    """Wait until the server's spare engine process has imported and warmed up (``vlguard_engine_spare_up``)."""
+    poll(lambda: metric(srv, "vlguard_engine_spare_up") == 1, timeout_s, "a ready spare engine process")
+
+
 def carried_over(srv: ServerProcess) -> float:
     """Requests the server's guard carried over an engine death or a soft recovery so far (replayed or
     resumed)."""

@@ -38,6 +38,7 @@ from server.guard.soft import ENABLED_ENV as SOFT_ENABLED_ENV
 from server.guard.soft import MAX_ENV as SOFT_MAX_ENV
 from server.guard.soft import WINDOW_ENV as SOFT_WINDOW_ENV
 from server.guard.soft import SoftFault, read_soft_faults
+from server.guard.spare import SpareKeeper
 from server.guard.watchdog import DeathCause
 from server.metrics import definitions as m
 from server.metrics.registry import mark_process_dead
@@ -160,6 +161,8 @@ class Supervisor:
         reap_children: at shutdown, end every process below this one (the engine's, and whatever an
             unfinished build spawned). For ``vlguard serve``, where the API process has no other
             children; off where the supervisor shares its process (tests).
+        spares: keeps a spare engine process for rebuilds (:mod:`server.guard.spare`); None: every
+            rebuild spawns its processes.
     """
 
     def __init__(
@@ -171,8 +174,10 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         reap_children: bool = False,
+        spares: SpareKeeper | None = None,
     ) -> None:
         self.engine_factory = engine_factory
+        self.spares = spares
         self.reap_children = reap_children
         self.settings = settings
         self.on_failed = on_failed
@@ -322,6 +327,8 @@ class Supervisor:
         os.environ[SOFT_ENABLED_ENV] = "on" if self.settings.soft_recovery else "off"
         os.environ[SOFT_MAX_ENV] = str(self.settings.soft_recovery_max)
         os.environ[SOFT_WINDOW_ENV] = str(self.settings.restart_window)
+        if self.spares is not None and self.generation:
+            self.spares.arm()  # a rebuild: its engine core runs in the spare, its worker in the spare's
         building = self._building = _in_daemon_thread(self.engine_factory)
         try:
             # shield: a cancelled wait (shutdown) leaves the build to shutdown(), which ends it
@@ -329,6 +336,8 @@ class Supervisor:
         finally:
             if building.done():
                 self._building = None
+            if self.spares is not None:
+                self.spares.after_build()
         try:
             await engine.reset_mm_cache()  # drop the profiling run's dummy images
             await asyncio.wait_for(self.probe(engine), self.settings.startup_timeout)
@@ -350,6 +359,11 @@ class Supervisor:
 
             freeze_gc_heap()
         self._set_state(EngineState.READY)
+        if self.spares is not None and (config := getattr(engine, "vllm_config", None)) is not None:
+            try:
+                self.spares.replenish(config)
+            except Exception:  # the engine serves without a spare; the next rebuild spawns
+                logger.exception("spare engine process not started")
 
     async def start(self) -> None:
         """Build the first engine and start watching it.
@@ -518,6 +532,11 @@ class Supervisor:
     async def _check(self) -> None:
         if self.state is not EngineState.READY or self._engine is None:
             return
+        if self.spares is not None:
+            try:
+                self.spares.check()
+            except Exception:
+                logger.exception("spare engine process not replaced")
         engine, generation = self._engine, self.generation
         self.absorb_soft_faults(generation)
         problem = watchdog.process_problem(self._pids)
@@ -567,6 +586,8 @@ class Supervisor:
             if task is not None:
                 task.cancel()
         self._tasks.clear()
+        if self.spares is not None:
+            await asyncio.to_thread(self.spares.close)
         engine, self._engine, self._latest = self._engine, None, None
         bound = self.settings.shutdown_timeout
         if engine is not None:

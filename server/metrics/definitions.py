@@ -134,6 +134,16 @@ QUARANTINE_STRIKES = Counter(
     "whose execution raised). Kills, crashes and hangs charge nobody.",
     ["evidence"],
 )
+SPARE_UP = Gauge(
+    "vlguard_engine_spare_up",
+    "1 while a spare engine-core process (imported, waiting for a rebuild) is alive, else 0.",
+    multiprocess_mode="mostrecent",
+)
+SPARE_EVENTS = Counter(
+    "vlguard_engine_spare_events",
+    "Spare engine processes by event: spawned, died (replaced), used by a rebuild, refused (a rebuild spawned).",
+    ["event"],
+)
 QUARANTINED = Gauge(
     "vlguard_quarantine_fingerprints",
     "Request fingerprints quarantined (refused) now.",

@@ -22,7 +22,18 @@ from server.workload.images import photo_uri
 from server.workload.servers import metric_samples
 from server.workload.twopass import primary_messages
 from tests.conftest import EAGER_POISON_WORD
-from tests.helpers import carried_over, engine_core, gone, metric, poll, sse_tokens, stall_engine
+from tests.helpers import (
+    carried_over,
+    engine_core,
+    gone,
+    metric,
+    poll,
+    spare_events,
+    spare_processes,
+    sse_tokens,
+    stall_engine,
+    wait_spare_ready,
+)
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
@@ -73,9 +84,12 @@ async def _chat(client: httpx.AsyncClient, body: dict[str, object]) -> tuple[int
 async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerProcess, model_name: str) -> None:
     """CASES C5: SIGKILL of the engine core with 32 requests inside the engine (16 non-streaming, 16 streams;
     half with an image): every non-streaming request 200, streams complete or end with an error event,
-    /ready 200 -> 503 -> 200 and never refused, one death, every request carried over."""
+    /ready 200 -> 503 -> 200 and never refused, one death, every request carried over. #18: the rebuild's
+    engine core and worker are the spare processes (no process start or import on its critical path)."""
     image = photo_uri("chelsea.png")
+    wait_spare_ready(eager_server)
     deaths_before, carried = metric(eager_server, "vlguard_engine_deaths_total"), carried_over(eager_server)
+    spares, log_at = spare_events(eager_server), eager_server.log_path.stat().st_size
     old_core = engine_core(eager_server)
     n_tokens = 512
 
@@ -121,6 +135,32 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     assert carried_over(eager_server) >= carried + 32
     assert gone(old_core) and not stalled_worker_left  # the guard killed the killed core's stopped worker
     assert engine_core(eager_server).pid != old_core.pid  # exactly one engine core: no orphans
+    assert spare_events(eager_server).get("used", 0) == spares.get("used", 0) + 1
+    with eager_server.log_path.open("rb") as log:
+        log.seek(log_at)
+        rebuild_log = log.read().decode(errors="replace")
+    assert "EngineCore runs in spare process" in rebuild_log
+    assert "VllmWorker-0 runs in spare process" in rebuild_log
+
+
+def test_a_killed_spare_is_replaced_and_counted_without_touching_serving(
+    eager_server: ServerProcess, model_name: str
+) -> None:
+    """#18: SIGKILL of the waiting spare engine process: its worker spare ends with it, a new spare is
+    spawned and becomes ready, the death is counted, and the engine keeps serving."""
+    wait_spare_ready(eager_server)
+    before, deaths = spare_events(eager_server), metric(eager_server, "vlguard_engine_deaths_total")
+    [core_spare] = [p for p in spare_processes(eager_server) if p.ppid() == eager_server.proc.pid]  # type: ignore[union-attr]
+    worker_spares = core_spare.children()
+    core_spare.kill()
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Status?"}], "max_tokens": 4}
+    assert httpx.post(eager_server.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+    poll(lambda: spare_events(eager_server).get("died", 0) == before.get("died", 0) + 1, 30, "the death counted")
+    poll(lambda: all(gone(p) for p in worker_spares), 10, "the dead spare's worker spare to end")
+    wait_spare_ready(eager_server)
+    assert spare_events(eager_server).get("spawned", 0) == before.get("spawned", 0) + 1
+    assert [p.pid for p in spare_processes(eager_server)] != [core_spare.pid]
+    assert metric(eager_server, "vlguard_engine_deaths_total") == deaths  # the engine never noticed
 
 
 async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: ServerProcess, model_name: str) -> None:
