@@ -77,8 +77,8 @@ class GuardSettings(BaseSettings):
     spare: bool = True
     """Keep a spare engine-core process (and its worker), spawned and imported once the engine is ready,
     for the next rebuild (on/off): a rebuild after a process death then skips the processes' start-up and
-    imports (docs/guard.md). The spare touches no device; it costs one idle process's memory (~1 GB on the
-    CPU build)."""
+    imports (docs/guard.md). The spare touches no device; it costs two idle processes' memory (0.8 and 0.9 GiB
+    resident on the CPU build)."""
 
     soft_recovery_max: int = Field(default=10, ge=0)
     """Soft recoveries allowed within ``restart_window`` seconds; the next step fault rebuilds the engine."""

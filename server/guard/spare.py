@@ -359,6 +359,7 @@ class SpareKeeper:
         self.spare: Spare | None = None
         self._config: object | None = None
         self._wanted = False  # replenish() was called: keep one spare until close()
+        self._fork_noted = False
 
     def replenish(self, vllm_config: object) -> None:
         """Spawn a spare for an engine configured like ``vllm_config`` unless a live one exists."""
@@ -366,6 +367,13 @@ class SpareKeeper:
 
         self._config, self._wanted = vllm_config, True
         if self.spare is not None and self.spare.alive():
+            return
+        if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+            # vLLM forks (its default where nothing forces spawn, e.g. CUDA before the API process touches
+            # the GPU): a forked engine core inherits this process's imports, there is nothing to save.
+            if not self._fork_noted:
+                logger.info("no spare engine process: vLLM forks its engine processes here")
+                self._fork_noted = True
             return
         self.spare = Spare(self.modules, worker_spare_for=vllm_config)
         m.SPARE_EVENTS.labels(event="spawned").inc()

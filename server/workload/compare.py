@@ -211,6 +211,17 @@ async def restart_on_exit(srv: ServerProcess, system: System) -> None:
         await asyncio.sleep(0.2)
 
 
+async def _spare_ready(srv: ServerProcess, timeout_s: float) -> None:
+    """Wait (bounded) for vlguard's spare engine process to be ready, as it is when an engine dies hours
+    after start-up; returns at once where the server keeps none (``--guard-spare off``, or vLLM forks)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        samples = metric_samples(srv.url, "vlguard_engine_spare")
+        if samples.get("vlguard_engine_spare_up", 0) == 1 or not samples.get("vlguard_engine_spare_events_total"):
+            return
+        await asyncio.sleep(0.5)
+
+
 async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) -> dict[str, Any]:
     plan = generator.TwoPassPlan(opts.workload)
     state: dict[str, Any] = {"succeeded": 0, "killed_at": None}
@@ -223,6 +234,8 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
 
     async with httpx.AsyncClient(timeout=30) as client:  # asked now: a restarting stock server cannot answer
         model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
+    if not system.stock:
+        await _spare_ready(srv, opts.ready_timeout_s)
     supervisor = asyncio.create_task(restart_on_exit(srv, system))
     try:
         res = await generator.run(

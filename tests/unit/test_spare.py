@@ -119,7 +119,8 @@ def test_an_installed_module_spawns_as_usual_when_nothing_is_armed_or_the_spare_
     assert json.loads((tmp_path / "b.json").read_text())["pid"] == proc.pid != spare.pid
 
 
-def test_the_keeper_replaces_a_dead_spare_counts_it_and_ends_it_at_close() -> None:
+def test_the_keeper_replaces_a_dead_spare_counts_it_and_ends_it_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's CPU platform sets
     keeper = sp.SpareKeeper(modules=("json",))
     died = m.SPARE_EVENTS.labels(event="died")._value.get()
     try:
@@ -141,3 +142,12 @@ def test_the_keeper_replaces_a_dead_spare_counts_it_and_ends_it_at_close() -> No
         keeper.close()
     assert gone(second)
     assert m.SPARE_UP._value.get() == 0
+
+
+def test_the_keeper_keeps_no_spare_where_vllm_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's default start method (CUDA, nothing forcing spawn) forks: no import to save."""
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    keeper = sp.SpareKeeper(modules=("json",))
+    keeper.replenish(None)
+    assert keeper.spare is None
+    keeper.close()
