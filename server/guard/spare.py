@@ -27,6 +27,7 @@ import importlib
 import io
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import threading
@@ -155,7 +156,9 @@ class Spare:
         return self.state == "waiting" and self.proc.is_alive()
 
     def hand_over(self, target: Callable[..., object], kwargs: dict[str, Any], name: str) -> bool:
-        """Make the spare run ``target(**kwargs)`` as process ``name`` with this process's environment.
+        """Make the spare run ``target(**kwargs)`` as process ``name``, with this process's values of the
+        per-engine variables (the rest of its environment is what it was spawned with, plus what its own
+        imports set, as in a fresh process).
 
         Returns:
             False (and the spare is ended) when it cannot: not alive, spawned with a different
@@ -170,7 +173,7 @@ class Spare:
             self.end()
             return False
         try:
-            payload = _dumps((target, kwargs, {k: v for k, v in now.items() if k not in PROCESS_ENV}, name))
+            payload = _dumps((target, kwargs, {k: now.get(k) for k in PER_ENGINE_ENV}, name))
             self._conn.send_bytes(payload)
         except (pickle.PicklingError, TypeError, RuntimeError, OSError) as exc:
             logger.warning("spare process %s not used for %s: %s", self.pid, name, exc)
@@ -212,18 +215,27 @@ def _spare_main(
             getattr(importlib.import_module(module_name), function)()
         except Exception:
             logger.warning("spare: warm-up call %s failed", call, exc_info=True)
-    if worker is not None and not worker.ready(timeout_s=600):
+    # Ready once the worker spare is; a hand-over arriving first does not wait for it (the worker's own
+    # hand-over then waits in the worker spare until its imports are done).
+    while worker is not None and not worker.ready() and worker.alive():
+        multiprocessing.connection.wait([conn, worker.proc.sentinel, worker._conn])
+        if conn.poll():
+            break
+    else:
+        with contextlib.suppress(OSError):
+            conn.send_bytes(READY)
+    if worker is not None and not worker.alive():
         worker = None  # gone: the engine core will spawn its worker
-    with contextlib.suppress(OSError):
-        conn.send_bytes(READY)
     try:
         target, kwargs, env, name = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):  # never needed: the API process ended it, or is gone
         return
     conn.close()
-    for key in [k for k in os.environ if k not in PROCESS_ENV and k not in env]:
-        del os.environ[key]
-    os.environ.update(env)
+    for key, value in env.items():  # the rest is as a fresh process would have it (hand_over checked)
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     multiprocessing.current_process().name = name
     if worker is not None:
         install("vllm.v1.executor.multiproc_executor")
