@@ -31,11 +31,14 @@ import multiprocessing.connection
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from multiprocessing import synchronize
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+import psutil
 
 from server.guard import fatal, parent_watch, soft
 
@@ -57,6 +60,7 @@ CPU_WORKER_WARM_CALLS = (
     "triton.runtime.cache:triton_key",
 )
 READY = b"ready"  # a spare's message once it has imported and warmed up
+WORKER_WAIT_READY_S = 300.0  # a worker's hand-over waits this long for its spare (its pipes need a ready one)
 CORE_PROCESS = "EngineCore"  # vLLM's name of the engine-core process (EngineCore_DP<n> with data parallel)
 WORKER_PROCESS = "VllmWorker"  # vLLM's name of a worker process (VllmWorker-<rank>)
 
@@ -138,6 +142,7 @@ class Spare:
         child_conn.close()
         self.state = "waiting"  # then "used" (handed over) or "ended" (refused, or ended unused)
         self._ready = False
+        self._lock = threading.Lock()  # hand_over (a build thread) vs end (shutdown)
 
     @property
     def pid(self) -> int | None:
@@ -155,15 +160,27 @@ class Spare:
         """Spawned, not handed over, and still running."""
         return self.state == "waiting" and self.proc.is_alive()
 
-    def hand_over(self, target: Callable[..., object], kwargs: dict[str, Any], name: str) -> bool:
+    def hand_over(
+        self, target: Callable[..., object], kwargs: dict[str, Any], name: str, wait_ready_s: float = 0.0
+    ) -> bool:
         """Make the spare run ``target(**kwargs)`` as process ``name``, with this process's values of the
         per-engine variables (the rest of its environment is what it was spawned with, plus what its own
         imports set, as in a fresh process).
 
+        Arguments:
+            wait_ready_s: wait up to this long for a spare still importing to be ready; 0: hand over
+                at once (the message waits in the spare's pipe until its imports are done). Arguments
+                holding pipes need a ready spare: they travel through this process's resource sharer, and
+                a spare dying before it collected them would leave the pipe's other end open here.
+
         Returns:
-            False (and the spare is ended) when it cannot: not alive, spawned with a different
-            environment, or ``kwargs`` cannot reach a running process; the caller spawns as usual.
+            False (and the spare is ended) when it cannot: not alive, not ready in time, spawned with a
+            different environment, or ``kwargs`` cannot reach a running process; the caller spawns as usual.
         """
+        if wait_ready_s and not self.ready(timeout_s=wait_ready_s):
+            logger.warning("spare process %s not ready within %.0f s; spawning %s", self.pid, wait_ready_s, name)
+            self.end()
+            return False
         if not self.alive():
             logger.warning("spare process %s is gone; spawning %s", self.pid, name)
             return False
@@ -174,25 +191,34 @@ class Spare:
             return False
         try:
             payload = _dumps((target, kwargs, {k: now.get(k) for k in PER_ENGINE_ENV}, name))
-            self._conn.send_bytes(payload)
+            with self._lock:
+                if self.state != "waiting":
+                    raise OSError("ended meanwhile (shutdown)")
+                self._conn.send_bytes(payload)
+                self.state = "used"
         except (pickle.PicklingError, TypeError, RuntimeError, OSError) as exc:
             logger.warning("spare process %s not used for %s: %s", self.pid, name, exc)
             self.end()
             return False
-        self.state = "used"
         self._conn.close()
         logger.info("%s runs in spare process %s", name, self.pid)
         return True
 
     def end(self) -> None:
-        """End an unused spare (its worker spare ends with it). Idempotent."""
-        if self.state != "waiting":
-            return
-        self.state = "ended"
+        """End an unused spare and its worker spare (SIGKILL, children first: the spare may be importing,
+        and a child outliving it would only end by its parent watch). Idempotent."""
+        with self._lock:
+            if self.state != "waiting":
+                return
+            self.state = "ended"
         with contextlib.suppress(OSError):
-            self._conn.close()  # the spare sees EOF and exits; kill in case it is still importing
-        if self.proc.is_alive():
-            self.proc.kill()
+            self._conn.close()
+        with contextlib.suppress(psutil.Error):
+            procs = psutil.Process(self.proc.pid).children(recursive=True) if self.proc.pid else []
+            for proc in [*procs, psutil.Process(self.proc.pid)]:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            psutil.wait_procs(procs, timeout=5)
         self.proc.join(5)
 
 
@@ -215,17 +241,26 @@ def _spare_main(
             getattr(importlib.import_module(module_name), function)()
         except Exception:
             logger.warning("spare: warm-up call %s failed", call, exc_info=True)
-    # Ready once the worker spare is; a hand-over arriving first does not wait for it (the worker's own
-    # hand-over then waits in the worker spare until its imports are done).
-    while worker is not None and not worker.ready() and worker.alive():
-        multiprocessing.connection.wait([conn, worker.proc.sentinel, worker._conn])
-        if conn.poll():
-            break
-    else:
-        with contextlib.suppress(OSError):
-            conn.send_bytes(READY)
+    # READY once the worker spare is. A hand-over arriving first does not wait for it (the worker's own
+    # hand-over waits for it). A worker spare that dies while waiting ends this spare too: the keeper
+    # replaces the pair, and the gauge never counts a spare without its worker.
+    told = False
+    while not conn.poll():
+        if worker is None or worker.ready():
+            if not told:
+                with contextlib.suppress(OSError):
+                    conn.send_bytes(READY)
+                told = True
+        elif not worker.alive():
+            return
+        if worker is not None and not worker.alive():
+            return
+        waitables: list[Any] = [conn]
+        if worker is not None:
+            waitables += [worker.proc.sentinel] + ([] if worker.ready() else [worker._conn])
+        multiprocessing.connection.wait(waitables)
     if worker is not None and not worker.alive():
-        worker = None  # gone: the engine core will spawn its worker
+        worker = None  # died with the hand-over on its way: the engine core spawns its worker
     try:
         target, kwargs, env, name = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):  # never needed: the API process ended it, or is gone
@@ -238,8 +273,12 @@ def _spare_main(
             os.environ[key] = value
     multiprocessing.current_process().name = name
     if worker is not None:
-        install("vllm.v1.executor.multiproc_executor")
-        arm(worker, WORKER_PROCESS)
+        try:
+            install("vllm.v1.executor.multiproc_executor")
+            arm(worker, WORKER_PROCESS, wait_ready_s=WORKER_WAIT_READY_S)
+        except (ImportError, AttributeError):
+            logger.warning("spare: this vLLM starts its workers elsewhere; the worker is spawned", exc_info=True)
+            worker.end()
     target(**kwargs)
 
 
@@ -247,8 +286,8 @@ def _spawn_worker_spare(vllm_config: Any) -> Spare | None:  # pragma: no cover -
     """The worker's spare, spawned with the environment vLLM's CPU executor gives rank 0 (OpenMP thread
     count and binding are read when torch loads, so they must be right at spawn)."""
     parallel = getattr(vllm_config, "parallel_config", None)
-    if parallel is None or parallel.world_size != 1:
-        return None
+    if parallel is None or parallel.world_size != 1 or parallel.distributed_executor_backend != "mp":
+        return None  # several workers, or none of its own (the "uni" executor runs the model in the engine core)
     modules = ["vllm.v1.executor.multiproc_executor"]
     if isinstance(getattr(parallel, "worker_cls", None), str) and "." in parallel.worker_cls:
         modules.append(parallel.worker_cls.rsplit(".", 1)[0])
@@ -260,31 +299,36 @@ def _spawn_worker_spare(vllm_config: Any) -> Spare | None:  # pragma: no cover -
         )
     except Exception:  # another vLLM: the worker's environment check decides
         omp_envs = contextlib.nullcontext()
-    from vllm.platforms import current_platform
+    try:
+        from vllm.platforms import current_platform
 
-    warm = CPU_WORKER_WARM_CALLS if current_platform.is_cpu() else ()
+        warm = CPU_WORKER_WARM_CALLS if current_platform.is_cpu() else ()
+    except Exception:
+        warm = ()
     with omp_envs:
         return Spare(modules, warm_calls=warm)
 
 
 # -- the hand-over inside vLLM's start-up code ------------------------------------------------------------
-_armed: dict[str, Spare] = {}  # process-name prefix -> the spare the next such process runs in
+_armed: dict[str, tuple[Spare, float]] = {}  # process-name prefix -> (spare, seconds to wait for it to be ready)
 _armed_lock = threading.Lock()
 
 
-def arm(spare: Spare, process_name: str) -> None:
-    """The next process named ``process_name``* that an installed module starts runs in ``spare``."""
+def arm(spare: Spare, process_name: str, wait_ready_s: float = 0.0) -> None:
+    """The next process named ``process_name``* that an installed module starts runs in ``spare``
+    (see :meth:`Spare.hand_over` for ``wait_ready_s``)."""
     with _armed_lock:
-        _armed[process_name] = spare
+        _armed[process_name] = (spare, wait_ready_s)
 
 
 def disarm(process_name: str) -> Spare | None:
     """Take back the armed spare for ``process_name`` (None if a start took it)."""
     with _armed_lock:
-        return _armed.pop(process_name, None)
+        armed = _armed.pop(process_name, None)
+    return armed[0] if armed else None
 
 
-def _take(name: str) -> Spare | None:
+def _take(name: str) -> tuple[Spare, float] | None:
     with _armed_lock:
         for prefix in list(_armed):
             if name.startswith(prefix):
@@ -296,24 +340,40 @@ class _HandedProcess:
     """What vLLM gets from ``Process(...)``: ``start()`` hands the target to the armed spare, or spawns;
     everything else (``pid``, ``sentinel``, ``join``, ``terminate``, ``exitcode``...) is the process's."""
 
-    def __init__(self, context: Any, spare: Spare, target: Callable[..., object], name: str, **kwargs: Any) -> None:
+    def __init__(
+        self, context: Any, armed: tuple[Spare, float], target: Callable[..., object], name: str, **kwargs: Any
+    ) -> None:
         self._context, self._target, self._kwargs = context, target, kwargs
-        self._spare: Spare | None = spare
+        self._armed: tuple[Spare, float] | None = armed
         self._name = name
         self._proc: Any = None
 
     def start(self) -> None:
-        spare, self._spare = self._spare, None
+        armed, self._armed = self._armed, None
         kwargs = dict(self._kwargs.get("kwargs") or {})
-        if spare is not None and not self._kwargs.get("args") and spare.hand_over(self._target, kwargs, self._name):
-            self._proc = spare.proc
-            return
+        if armed is not None and not self._kwargs.get("args"):
+            spare, wait_ready_s = armed
+            if spare.hand_over(self._target, kwargs, self._name, wait_ready_s=wait_ready_s):
+                self._proc = spare.proc
+                return
         self._proc = self._context.Process(target=self._target, name=self._name, **self._kwargs)
         self._proc.start()
 
     @property
     def name(self) -> str:
         return self._name
+
+    # What a multiprocessing process answers before start() (vLLM's clean-up may ask after a failed one).
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self._proc is None else self._proc.exitcode
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
 
     def __getattr__(self, attr: str) -> Any:
         if self._proc is None:
@@ -328,10 +388,10 @@ class _HandOverContext:
         self._context = context
 
     def Process(self, target: Callable[..., object], name: str | None = None, **kwargs: Any) -> Any:
-        spare = _take(name or "")
-        if spare is None:
+        armed = _take(name or "")
+        if armed is None:
             return self._context.Process(target=target, name=name, **kwargs)
-        return _HandedProcess(self._context, spare, target, name or "", **kwargs)
+        return _HandedProcess(self._context, armed, target, name or "", **kwargs)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._context, attr)
@@ -360,81 +420,133 @@ class SpareKeeper:
     """Keeps one engine-core spare (with its worker spare) ready for the next rebuild of the engine.
 
     The supervisor calls :meth:`replenish` once an engine is READY (the spare is spawned for that
-    engine's configuration), :meth:`check` on every watchdog tick (a dead spare is replaced and counted),
-    :meth:`arm` before a rebuild and :meth:`after_build` after it, and :meth:`close` at shutdown.
-    ``vlguard_engine_spare_up`` is 1 while a spare is alive; ``vlguard_engine_spare_events_total{event}``
-    counts spawned, died, used and refused spares.
+    engine's configuration), :meth:`check` on every watchdog tick (a dead spare is counted and replaced,
+    after a back-off that doubles with each death in a row: a spare killed while importing, by a memory
+    limit say, must not be respawned every tick), :meth:`arm` before a rebuild and :meth:`after_build`
+    after it, and :meth:`close` at shutdown. ``vlguard_engine_spare_up`` is 1 while a spare and its worker
+    spare are ready; ``vlguard_engine_spare_events_total{event}`` counts spawned, died, used and refused
+    spares. Spawning blocks (the configuration is pickled to the child): call it off the event loop.
+
+    Arguments:
+        modules: what the engine core's spare imports.
+        backoff_s: wait before replacing a spare after its first death in a row (then 2x, 4x..., at most
+            ``max_backoff_s``).
+        clock: monotonic seconds.
     """
 
-    def __init__(self, modules: Iterable[str] = CORE_MODULES) -> None:
+    def __init__(
+        self,
+        modules: Iterable[str] = CORE_MODULES,
+        backoff_s: float = 10.0,
+        max_backoff_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.modules = tuple(modules)
+        self.backoff_s, self.max_backoff_s, self.clock = backoff_s, max_backoff_s, clock
         self.spare: Spare | None = None
         self._config: object | None = None
-        self._wanted = False  # replenish() was called: keep one spare until close()
+        self._wanted = False  # replenish() was called and close() was not
+        self._closed = False
+        self._deaths_in_a_row = 0
+        self._not_before = 0.0  # no replacement before this time (back-off)
         self._fork_noted = False
+        self._lock = threading.RLock()  # the watchdog's check (a thread) vs a rebuild's arm (the loop)
 
     def replenish(self, vllm_config: object) -> None:
-        """Spawn a spare for an engine configured like ``vllm_config`` unless a live one exists."""
+        """Spawn a spare for an engine configured like ``vllm_config`` unless a live one exists, the
+        back-off after a death has not passed, vLLM forks here, or the keeper is closed."""
         from server.metrics import definitions as m
 
-        self._config, self._wanted = vllm_config, True
-        if self.spare is not None and self.spare.alive():
-            return
-        if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
-            # vLLM forks (its default where nothing forces spawn, e.g. CUDA before the API process touches
-            # the GPU): a forked engine core inherits this process's imports, there is nothing to save.
-            if not self._fork_noted:
-                logger.info("no spare engine process: vLLM forks its engine processes here")
-                self._fork_noted = True
-            return
-        self.spare = Spare(self.modules, worker_spare_for=vllm_config)
+        with self._lock:
+            if self._closed:
+                return
+            self._config, self._wanted = vllm_config, True
+            if self.spare is not None and self.spare.alive():
+                return
+            if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+                # vLLM forks (its default where nothing forces spawn, e.g. CUDA before the API process
+                # touches the GPU): a forked engine core inherits this process's imports, nothing to save.
+                if not self._fork_noted:
+                    logger.info("no spare engine process: vLLM forks its engine processes here")
+                    self._fork_noted = True
+                return
+            if self.clock() < self._not_before:
+                return
+            self.spare = Spare(self.modules, worker_spare_for=vllm_config)
         m.SPARE_EVENTS.labels(event="spawned").inc()
         logger.info("spare engine process %s started", self.spare.pid)
 
-    def check(self) -> None:
-        """Note a spare that became ready (``vlguard_engine_spare_up`` 1); replace one that died while
-        waiting (counted as ``died``)."""
+    def _settle_death(self) -> None:
+        """Count and drop a spare that died while waiting; start the back-off."""
         from server.metrics import definitions as m
 
-        if self.spare is None or self.spare.state != "waiting":
-            return
-        if self.spare.proc.is_alive():
-            m.SPARE_UP.set(1 if self.spare.ready() else 0)
-            return
         spare = self.spare
-        logger.warning("spare engine process %s died (exit code %s); replacing it", spare.pid, spare.proc.exitcode)
+        if spare is None or spare.state != "waiting" or spare.proc.is_alive():
+            return
+        self._deaths_in_a_row += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (self._deaths_in_a_row - 1))
+        self._not_before = self.clock() + delay
+        logger.warning(
+            "spare engine process %s died (exit code %s); replacing it in %.0f s", spare.pid, spare.proc.exitcode, delay
+        )
         m.SPARE_EVENTS.labels(event="died").inc()
         m.SPARE_UP.set(0)
-        self.spare.proc.join(0)
+        spare.end()  # its worker spare too, if any is left
         self.spare = None
-        if self._wanted:
-            self.replenish(self._config)
+
+    def check(self) -> None:
+        """Note a spare that became ready (``vlguard_engine_spare_up`` 1); count a dead one and replace it
+        once its back-off has passed."""
+        from server.metrics import definitions as m
+
+        with self._lock:
+            self._settle_death()
+            if self.spare is not None and self.spare.state == "waiting":
+                ready = self.spare.ready()
+                if ready:
+                    self._deaths_in_a_row = 0
+                m.SPARE_UP.set(1 if ready else 0)
+            elif self._wanted:
+                self.replenish(self._config)
 
     def arm(self) -> None:
-        """The engine core of the next engine build runs in the spare (if it is alive and matches)."""
-        if self.spare is None or not self.spare.alive():
+        """The engine core of the next engine build runs in the spare, if it is alive (it is refused at
+        the hand-over if the environment differs). Never raises: a vLLM that starts its engine core some
+        other way builds without the spare. Does not wait for a check in progress (it may be spawning a
+        spare, which could not be ready for this build anyway)."""
+        if not self._lock.acquire(blocking=False):
             return
-        install("vllm.v1.engine.utils")
-        arm(self.spare, CORE_PROCESS)
+        try:
+            self._settle_death()
+            if self.spare is None or not self.spare.alive():
+                return
+            install("vllm.v1.engine.utils")
+            arm(self.spare, CORE_PROCESS)
+        except (ImportError, AttributeError):
+            logger.warning("this vLLM starts its engine core elsewhere: no spare is used", exc_info=True)
+        finally:
+            self._lock.release()
 
     def after_build(self) -> None:
         """Settle the armed spare after a build, successful or not: used, refused, or still waiting."""
         from server.metrics import definitions as m
 
         disarm(CORE_PROCESS)
-        spare = self.spare
-        if spare is None or spare.state == "waiting":
-            return
-        self.spare = None
+        with self._lock:
+            spare = self.spare
+            if spare is None or spare.state == "waiting":
+                return
+            self.spare = None
         m.SPARE_UP.set(0)
         m.SPARE_EVENTS.labels(event="used" if spare.state == "used" else "refused").inc()
 
     def close(self) -> None:
-        """End the spare (shutdown). Idempotent."""
+        """End the spare (shutdown); no spare is spawned afterwards. Idempotent."""
         from server.metrics import definitions as m
 
-        self._wanted = False
-        if self.spare is not None:
-            self.spare.end()
-            self.spare = None
+        with self._lock:
+            self._closed, self._wanted = True, False
+            spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.end()
         m.SPARE_UP.set(0)

@@ -361,7 +361,7 @@ class Supervisor:
         self._set_state(EngineState.READY)
         if self.spares is not None and (config := getattr(engine, "vllm_config", None)) is not None:
             try:
-                self.spares.replenish(config)
+                await asyncio.to_thread(self.spares.replenish, config)  # spawning pickles the config: blocks
             except Exception:  # the engine serves without a spare; the next rebuild spawns
                 logger.exception("spare engine process not started")
 
@@ -534,7 +534,7 @@ class Supervisor:
             return
         if self.spares is not None:
             try:
-                self.spares.check()
+                await asyncio.to_thread(self.spares.check)
             except Exception:
                 logger.exception("spare engine process not replaced")
         engine, generation = self._engine, self.generation

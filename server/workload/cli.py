@@ -188,6 +188,7 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
                 f"{name:8} first success after kill: {rec if rec is None else f'{rec:.1f} s'}; "
                 f"failed {s['summary']['failed']} of {s['summary']['requests']} "
                 f"(non-streaming {s['summary']['failed_non_streaming']}, streaming {s['summary']['failed_streaming']})"
+                + ("; its spare engine process was NOT ready" if s.get("spare_ready_at_kill") is False else "")
             )
         print(f"recovery time ratio vlguard/stock: {result['recovery_ratio']:.2f}")
         written = [

@@ -211,15 +211,19 @@ async def restart_on_exit(srv: ServerProcess, system: System) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _spare_ready(srv: ServerProcess, timeout_s: float) -> None:
+async def _spare_ready(srv: ServerProcess, timeout_s: float) -> bool | None:
     """Wait (bounded) for vlguard's spare engine process to be ready, as it is when an engine dies hours
-    after start-up; returns at once where the server keeps none (``--guard-spare off``, or vLLM forks)."""
+    after start-up. Returns whether it is (None where the server keeps none: ``--guard-spare off``, or
+    vLLM forks)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         samples = metric_samples(srv.url, "vlguard_engine_spare")
-        if samples.get("vlguard_engine_spare_up", 0) == 1 or not samples.get("vlguard_engine_spare_events_total"):
-            return
+        if not samples.get("vlguard_engine_spare_events_total"):
+            return None
+        if samples.get("vlguard_engine_spare_up", 0) == 1:
+            return True
         await asyncio.sleep(0.5)
+    return False
 
 
 async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) -> dict[str, Any]:
@@ -234,8 +238,7 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
 
     async with httpx.AsyncClient(timeout=30) as client:  # asked now: a restarting stock server cannot answer
         model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
-    if not system.stock:
-        await _spare_ready(srv, opts.ready_timeout_s)
+    spare_ready = None if system.stock else await _spare_ready(srv, opts.ready_timeout_s)
     supervisor = asyncio.create_task(restart_on_exit(srv, system))
     try:
         res = await generator.run(
@@ -273,6 +276,7 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
         "summary": summary,
         "kill_s": kill_s,
         "first_success_after_kill_s": min(recovered) if recovered else None,
+        "spare_ready_at_kill": spare_ready,  # vlguard: its spare was ready before the load (None: keeps none)
         "records": res.records,
         "probes": probes,  # not in the summary: sent after the counted load, to find the recovery time
     }

@@ -147,7 +147,7 @@ def test_a_killed_spare_is_replaced_and_counted_without_touching_serving(
     eager_server: ServerProcess, model_name: str
 ) -> None:
     """#18: SIGKILL of the waiting spare engine process: its worker spare ends with it, a new spare is
-    spawned and becomes ready, the death is counted, and the engine keeps serving."""
+    spawned (after a 10 s back-off) and becomes ready, the death is counted, and the engine keeps serving."""
     wait_spare_ready(eager_server)
     before, deaths = spare_events(eager_server), metric(eager_server, "vlguard_engine_deaths_total")
     [core_spare] = [p for p in spare_processes(eager_server) if p.ppid() == eager_server.proc.pid]  # type: ignore[union-attr]

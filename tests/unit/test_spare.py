@@ -84,7 +84,7 @@ def starter(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 def test_an_installed_module_starts_its_process_in_the_armed_spare_with_a_lock_and_pipes(
     spare: sp.Spare, starter: types.ModuleType
 ) -> None:
-    sp.arm(spare, "VllmWorker")
+    sp.arm(spare, "VllmWorker", wait_ready_s=60)  # as the engine core's spare arms its worker spare
     context = starter.get_mp_context()
     lock = context.Lock()  # only inheritable at spawn for multiprocessing: the hand-over sends it by name
     reader, writer = context.Pipe(duplex=False)
@@ -119,9 +119,12 @@ def test_an_installed_module_spawns_as_usual_when_nothing_is_armed_or_the_spare_
     assert json.loads((tmp_path / "b.json").read_text())["pid"] == proc.pid != spare.pid
 
 
-def test_the_keeper_replaces_a_dead_spare_counts_it_and_ends_it_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_keeper_replaces_a_dead_spare_after_a_back_off_counts_it_and_ends_it_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's CPU platform sets
-    keeper = sp.SpareKeeper(modules=("json",))
+    now = [0.0]
+    keeper = sp.SpareKeeper(modules=("json",), backoff_s=10, clock=lambda: now[0])
     died = m.SPARE_EVENTS.labels(event="died")._value.get()
     try:
         keeper.replenish(None)  # no engine configuration: no worker spare
@@ -135,13 +138,25 @@ def test_the_keeper_replaces_a_dead_spare_counts_it_and_ends_it_at_close(monkeyp
         poll(lambda: gone(victim), 10, "the killed spare to exit")
         keeper.check()
         assert m.SPARE_EVENTS.labels(event="died")._value.get() == died + 1
+        assert keeper.spare is None and m.SPARE_UP._value.get() == 0
+        now[0] = 9.9
+        keeper.check()
+        assert keeper.spare is None  # inside the back-off: a spare dying while it imports is not respawned each tick
+        now[0] = 10.0
+        keeper.check()
         assert keeper.spare is not None and keeper.spare.pid != first.pid
-        assert m.SPARE_UP._value.get() == 0  # the replacement is not ready yet
         second = psutil.Process(keeper.spare.pid)
     finally:
         keeper.close()
     assert gone(second)
     assert m.SPARE_UP._value.get() == 0
+    keeper.replenish(None)
+    assert keeper.spare is None  # closed: nothing is spawned after shutdown
+
+
+def test_a_handed_process_answers_like_an_unstarted_one_before_start() -> None:
+    handed = sp._HandedProcess(multiprocessing.get_context("spawn"), (None, 0.0), spare_targets.record, "EngineCore")  # type: ignore[arg-type]
+    assert (handed.pid, handed.exitcode, handed.is_alive(), handed.name) == (None, None, False, "EngineCore")
 
 
 def test_the_keeper_keeps_no_spare_where_vllm_forks(monkeypatch: pytest.MonkeyPatch) -> None:
