@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import ServerProcess, SharedServer, engine_env, vlguard_argv
+from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, vlguard_argv
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
 
@@ -48,7 +48,9 @@ def _launch(name: str, tiny_model: Path, logs: Path) -> ServerProcess:
         return SharedServer(vlguard_argv(tiny_model), logs / "vlguard.log", env=env).start()
     poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
     env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison)
-    return ServerProcess(vlguard_argv(tiny_model, "--enforce-eager"), logs / "vlguard-eager.log", env=env).start()
+    # A spare: the C5 kill test asserts the rebuild runs in it, and the step-fault tests rebuild too.
+    argv = vlguard_argv(tiny_model, "--enforce-eager", *SPARE)
+    return ServerProcess(argv, logs / "vlguard-eager.log", env=env).start()
 
 
 #: Session servers started as soon as collection shows that a test will use them: their start-up (25-50 s

@@ -16,7 +16,9 @@ TINY_PROFILE = REPO / "config" / "tiny-cpu.yaml"
 
 __all__ = [
     "NO_COMPILE_WHEN_EAGER",
+    "NO_SPARE",
     "REPO",
+    "SPARE",
     "TINY_PROFILE",
     "ServerProcess",
     "SharedServer",
@@ -35,17 +37,29 @@ __all__ = [
 #: sampling never calls the helper. Measured: warm-up 15.6 s -> 1.2 s, "engine ready" 33.8 s -> 18.6 s.
 NO_COMPILE_WHEN_EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 
+#: Test servers keep no spare engine process unless they ask (``--guard-spare on``): a spare costs ~16 CPU
+#: seconds of imports right after every start, which on the 2-core CI machine compete with the test's
+#: own work, and it only pays off at a rebuild after a process death. Measured: the default lane's suite
+#: with a spare in every server took 1770 s, 318 s more than without. Servers whose engine processes are
+#: killed (test_guard's, the eager session server, the lifecycle tests') ask for it; the Docker test runs
+#: the image as shipped (spare on).
+NO_SPARE = {"VLGUARD_SPARE": "off"}
+SPARE = ("--guard-spare", "on")
+
 
 @dataclass
 class ServerProcess(servers.ServerProcess):
     """:class:`server.workload.servers.ServerProcess` started in this checkout; ``--enforce-eager``
-    servers get :data:`NO_COMPILE_WHEN_EAGER` unless their environment sets it."""
+    servers get :data:`NO_COMPILE_WHEN_EAGER` unless their environment sets it, and servers not given
+    ``--guard-spare`` get :data:`NO_SPARE`."""
 
     cwd: Path | None = REPO
 
     def __post_init__(self) -> None:
         if "--enforce-eager" in self.argv:
             self.env = {**NO_COMPILE_WHEN_EAGER, **self.env}
+        if "--guard-spare" not in self.argv:
+            self.env = {**NO_SPARE, **self.env}
 
 
 @dataclass

@@ -111,13 +111,16 @@ def system_server(
 
 @contextmanager
 def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
-    """Both systems started (concurrently), ready and paused; stopped on exit."""
+    """Both systems started (concurrently), ready and paused; stopped on exit. vlguard is paused once its
+    spare engine process is ready too (its imports would otherwise run inside the measured load)."""
     servers = {s.name: system_server(s, opts) for s in SCENARIOS[opts.scenario]}
     try:
         for srv in servers.values():
             srv.start()
         for srv in servers.values():
             srv.wait_ready(opts.ready_timeout_s)
+            if srv.ready_path == "/ready":  # vlguard
+                spare_ready(srv, opts.ready_timeout_s)
             srv.pause()
         yield servers
     finally:
@@ -211,19 +214,22 @@ async def restart_on_exit(srv: ServerProcess, system: System) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _spare_ready(srv: ServerProcess, timeout_s: float) -> bool | None:
-    """Wait (bounded) for vlguard's spare engine process to be ready, as it is when an engine dies hours
-    after start-up. Returns whether it is (None where the server keeps none: ``--guard-spare off``, or
-    vLLM forks)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def spare_ready(srv: ServerProcess, timeout_s: float) -> bool | None:
+    """Wait (at most ``timeout_s`` seconds) for vlguard's spare engine process to be ready, as it is when
+    an engine dies hours after start-up. Returns whether it is; None where the server keeps none
+    (``--guard-spare off``, or vLLM forks): no spare spawned within 10 s of the call (vlguard spawns it
+    right after the engine is READY)."""
+    now = time.monotonic()
+    deadline, none_after = now + timeout_s, now + min(timeout_s, 10.0)
+    while True:
         samples = metric_samples(srv.url, "vlguard_engine_spare")
-        if not samples.get("vlguard_engine_spare_events_total"):
-            return None
         if samples.get("vlguard_engine_spare_up", 0) == 1:
             return True
-        await asyncio.sleep(0.5)
-    return False
+        if not samples.get("vlguard_engine_spare_events_total") and time.monotonic() >= none_after:
+            return None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
 
 
 async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) -> dict[str, Any]:
@@ -238,7 +244,7 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
 
     async with httpx.AsyncClient(timeout=30) as client:  # asked now: a restarting stock server cannot answer
         model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
-    spare_ready = None if system.stock else await _spare_ready(srv, opts.ready_timeout_s)
+    spare = None if system.stock else spare_ready(srv, 0)  # waited for at start-up (_running)
     supervisor = asyncio.create_task(restart_on_exit(srv, system))
     try:
         res = await generator.run(
@@ -276,7 +282,7 @@ async def _kill_run(srv: ServerProcess, system: System, opts: CompareOptions) ->
         "summary": summary,
         "kill_s": kill_s,
         "first_success_after_kill_s": min(recovered) if recovered else None,
-        "spare_ready_at_kill": spare_ready,  # vlguard: its spare was ready before the load (None: keeps none)
+        "spare_ready_at_kill": spare,  # vlguard: its spare was ready before the load (None: keeps none)
         "records": res.records,
         "probes": probes,  # not in the summary: sent after the counted load, to find the recovery time
     }

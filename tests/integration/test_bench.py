@@ -13,15 +13,16 @@ from pathlib import Path
 
 from PIL import Image
 
-from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, TINY_PROFILE, ServerProcess
+from tests.servers import NO_COMPILE_WHEN_EAGER, NO_SPARE, REPO, TINY_PROFILE, ServerProcess
 
 
 def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """``vlguard bench ARGS``; the servers it starts are eager, so both get :data:`NO_COMPILE_WHEN_EAGER`."""
+    """``vlguard bench ARGS``; the servers it starts are eager, so both get :data:`NO_COMPILE_WHEN_EAGER`,
+    and vlguard keeps no spare (:data:`NO_SPARE`: the harness is under test, not the spare)."""
     proc = subprocess.run(
         [sys.executable, "-m", "server", "bench", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False,
-        env={**os.environ, **NO_COMPILE_WHEN_EAGER},
+        env={**os.environ, **NO_COMPILE_WHEN_EAGER, **NO_SPARE},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

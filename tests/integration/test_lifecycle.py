@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import assert_session_ends, engine_core, poll, process_name, session_processes
-from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, ServerProcess, engine_env, free_port, vlguard_argv
+from tests.helpers import assert_session_ends, engine_core, poll, process_name, session_processes, spare_processes
+from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, SPARE, ServerProcess, engine_env, free_port, vlguard_argv
 
 EAGER = ("--enforce-eager", "--guard-watchdog-interval", "0.5")
 
@@ -67,8 +67,10 @@ def test_sigkill_while_ready_with_requests_in_flight(sessions: list[int], tiny_m
 
     import httpx
 
-    srv = _start(sessions, tiny_model, tmp_path / "server.log")
+    srv = _start(sessions, tiny_model, tmp_path / "server.log", *SPARE)
     srv.wait_ready()
+    # The spare engine process and its worker spare (spawned once the spare has imported vLLM) must end too.
+    poll(lambda: len(spare_processes(srv)) == 2, 120, "the spare and its worker spare")
     body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "Count."}], "max_tokens": 2000,
             "ignore_eos": True, "stream": True}  # fmt: skip
     streaming = threading.Event()
@@ -96,7 +98,7 @@ def test_sigkill_during_a_rebuild(sessions: list[int], tiny_model: Path, tmp_pat
     engine's processes (spawned after the signal, or before it) end with it. (SIGTERM during a rebuild:
     test_guard.py's last test.)"""
     sig = signal.SIGKILL
-    srv = _start(sessions, tiny_model, tmp_path / "server.log")
+    srv = _start(sessions, tiny_model, tmp_path / "server.log", *SPARE)  # the new engine runs in the spare
     srv.wait_ready()
     old = engine_core(srv)
     old.kill()

@@ -46,6 +46,13 @@ SCENARIOS: dict[str, tuple[list[dict[str, str]], str, str]] = {
         "2m",
         "5m",
     ),
+    "VlguardNoSpareEngineProcess": (
+        _series("vlguard_engine_up", "1x25", "1x25")
+        + _series("vlguard_engine_spare_up", "0x25", "0 0 1x23")
+        + _series("vlguard_engine_spare_events_total", "1+1x25", "1x25", event="spawned"),
+        "10m",
+        "20m",
+    ),
     "VlguardRequestsHeld": (_series("vlguard_requests_held", "0 3x6", "0x7"), "2m", "4m"),
     "VlguardRequestsQuarantined": (_series("vlguard_requests_quarantined_total", "0 0 0 1 1", "0x4"), "1m", "4m"),
     "VlguardReadinessFlapping": (_series("vlguard_engine_up", "1 0 1 0 1 0 1 0", "1 0 1 1 1 1 1 1"), "3m", "7m"),
