@@ -39,8 +39,9 @@ NO_COMPILE_WHEN_EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 
 #: Test servers keep no spare engine process unless they ask (``--guard-spare on``): a spare costs ~16 CPU
 #: seconds of imports right after every start, which on the 2-core CI machine compete with the test's
-#: own work, and it only pays off at a rebuild after a process death. Measured: the default lane's suite
-#: with a spare in every server took 1770 s, 318 s more than without. Servers whose engine processes are
+#: own work, and it only pays off at a rebuild after a process death. Measured: the default lane's pytest
+#: with a spare in every server took 1770 s against 1452 s before spares existed (~70 s of that are the
+#: two new spare tests; their setups grew most: the Docker test's 60 -> 83 s). Servers whose engine processes are
 #: killed (test_guard's, the eager session server, the lifecycle tests') ask for it; the Docker test runs
 #: the image as shipped (spare on).
 NO_SPARE = {"VLGUARD_SPARE": "off"}
