@@ -41,9 +41,11 @@ NO_COMPILE_WHEN_EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 #: seconds of imports right after every start, which on the 2-core CI machine compete with the test's
 #: own work, and it only pays off at a rebuild after a process death. Measured: the default lane's pytest
 #: with a spare in every server took 1770 s against 1452 s before spares existed (~70 s of that are the
-#: two new spare tests; their setups grew most: the Docker test's 60 -> 83 s). Servers whose engine processes are
-#: killed (test_guard's, the eager session server, the lifecycle tests') ask for it; the Docker test runs
-#: the image as shipped (spare on).
+#: two new spare tests; their setups grew most: the Docker test's 60 -> 83 s). test_guard's server kills
+#: its engine every few seconds, before a new spare is ready, and each rebuild's next spare then imports
+#: beside the next test (that module +150 s): no spare there either. The eager session server (the C5 kill
+#: test asserts the rebuild runs in the spare, on every lane; the spare-kill test) and the SIGKILL lifecycle
+#: tests ask for it; the Docker test and ``make serve`` run as shipped (spare on).
 NO_SPARE = {"VLGUARD_SPARE": "off"}
 SPARE = ("--guard-spare", "on")
 

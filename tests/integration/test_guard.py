@@ -38,7 +38,6 @@ GUARD_FLAGS = (
     "--guard-ready-probe-interval", "2",
     "--guard-quarantine-deaths", "2",
     "--guard-restart-max", "20",
-    "--guard-spare", "on",  # its engine processes are killed: rebuilds run in the spare, as in production
 )  # fmt: skip
 
 
