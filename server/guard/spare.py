@@ -246,15 +246,12 @@ def _spare_main(
     # replaces the pair, and the gauge never counts a spare without its worker.
     told = False
     while not conn.poll():
-        if worker is None or worker.ready():
-            if not told:
-                with contextlib.suppress(OSError):
-                    conn.send_bytes(READY)
-                told = True
-        elif not worker.alive():
-            return
         if worker is not None and not worker.alive():
             return
+        if not told and (worker is None or worker.ready()):
+            with contextlib.suppress(OSError):
+                conn.send_bytes(READY)
+            told = True
         waitables: list[Any] = [conn]
         if worker is not None:
             waitables += [worker.proc.sentinel] + ([] if worker.ready() else [worker._conn])
