@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import httpx
 import numpy as np
 import psutil
 from PIL import Image, ImageOps
@@ -99,10 +100,18 @@ def metric(srv: ServerProcess, name: str) -> float:
     return metric_samples(srv.url).get(name, 0.0)
 
 
+def labelled(srv: ServerProcess, name: str, label: str, text: str | None = None) -> dict[str, float]:
+    """``name``'s samples on the server's ``/metrics`` (or in ``text``) by the value of ``label``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics").text if text is None else text
+    return {s.labels[label]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name and label in s.labels}  # fmt: skip
+
+
 def spare_events(srv: ServerProcess) -> dict[str, float]:
     """``vlguard_engine_spare_events_total`` by event (spawned, died, used, refused)."""
-    samples = metric_samples(srv.url, "vlguard_engine_spare_events", by_label="event")
-    return {k.split("{")[1].rstrip("}"): v for k, v in samples.items() if "{" in k}
+    return labelled(srv, "vlguard_engine_spare_events_total", "event")
 
 
 def spare_processes(srv: ServerProcess) -> list[psutil.Process]:

@@ -22,7 +22,7 @@ from openai import OpenAI
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
 from tests.conftest import token_ids
-from tests.helpers import assert_session_ends, engine_core, gone, metric, poll, process_name, sse_tokens
+from tests.helpers import assert_session_ends, engine_core, gone, labelled, metric, poll, process_name, sse_tokens
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
@@ -96,15 +96,6 @@ def stream_tokens(srv: ServerProcess, model: str, messages: list[dict[str, objec
             if on_token is not None and count >= after:
                 on_token.set()
     return sse_tokens(lines)
-
-
-def labelled(srv: ServerProcess, name: str, label: str, text: str | None = None) -> dict[str, float]:
-    """``name``'s samples on the server's ``/metrics`` (or in ``text``) by the value of ``label``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(srv.url + "/metrics").text if text is None else text
-    return {s.labels[label]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == name and label in s.labels}  # fmt: skip
 
 
 def recoveries(srv: ServerProcess) -> dict[str, float]:
