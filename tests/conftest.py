@@ -10,7 +10,7 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
 - ``eager_server``: ``--enforce-eager`` (patches on, unpadded): the numerical reference, and the
   server Prometheus scrapes (no padding: a healthy server must raise no alert). Its model runner raises
   on prompts holding ``EAGER_POISON_WORD`` (test fault plugin; no other prompt is affected), for the
-  soft-recovery test every lane runs.
+  soft-recovery test every lane runs, and its steps are slow while ``slow_steps_flag(eager_server)`` exists.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ import pytest
 from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, vlguard_argv
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
+SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"  # the fault plugin's: each step sleeps while that file exists
+
+
+def slow_steps_flag(srv: ServerProcess) -> Path:
+    """The file whose presence makes every step of ``srv``'s engine slow (25 ms more: the fault plugin)."""
+    return Path(srv.env[SLOW_STEPS_ENV])
 
 
 def token_ids(model: Path, text: str) -> list[int]:
@@ -47,7 +53,7 @@ def _launch(name: str, tiny_model: Path, logs: Path) -> ServerProcess:
         env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1")
         return SharedServer(vlguard_argv(tiny_model), logs / "vlguard.log", env=env).start()
     poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
-    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison)
+    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, **{SLOW_STEPS_ENV: str(logs / "slow-steps")})
     # A spare: the C5 kill test asserts the rebuild runs in it, and the step-fault tests rebuild too.
     argv = vlguard_argv(tiny_model, "--enforce-eager", *SPARE)
     return ServerProcess(argv, logs / "vlguard-eager.log", env=env).start()

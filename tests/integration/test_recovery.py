@@ -21,7 +21,7 @@ import pytest
 from server.workload.images import photo_uri
 from server.workload.servers import metric_samples
 from server.workload.twopass import primary_messages
-from tests.conftest import EAGER_POISON_WORD
+from tests.conftest import EAGER_POISON_WORD, slow_steps_flag
 from tests.helpers import (
     carried_over,
     engine_core,
@@ -168,9 +168,14 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
     """#15 on every lane: the model raises in the worker for one request while 8 others (images and text,
     streams and not) are in the engine (it is sent once the 4 streams are decoding). The engine absorbs it
     (no rebuild), every other request is served with the same greedy output as an uninterrupted run, and
-    the faulting request is quarantined (400) after its second fault."""
+    the faulting request is quarantined (400) after its second fault.
+
+    Until the poison's first fault, each step is 25 ms slower (the fault plugin's slow-steps flag): the eight
+    are in the engine for at least 256 x 25 ms = 6.4 s after the streams start, however fast the machine
+    (long requests instead cost 2 minutes a lane, mostly replayed one by one in probation, and once still
+    finished first)."""
     image = photo_uri("chelsea.png")
-    n_tokens = 2048  # ~7 s for the eight at ~2500 tokens/s: decoding when the poison arrives (512: once not)
+    n_tokens = 256
 
     def body(i: int) -> dict[str, object]:
         messages = primary_messages(image) if i % 2 else [{"role": "user", "content": f"Site report {i}."}]
@@ -178,6 +183,9 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
                 "ignore_eos": True, "stream": i >= 4, "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
 
     started = [asyncio.Event() for _ in range(8)]
+
+    def recovered(kind: str) -> float:
+        return metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")[kind]
 
     async def answer(client: httpx.AsyncClient, i: int) -> tuple[int, object]:
         if i < 4:
@@ -197,17 +205,24 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
         carried = await asyncio.to_thread(carried_over, eager_server)
         for event in started:
             event.clear()
-        tasks = [asyncio.create_task(answer(client, i)) for i in range(8)]
-        # The 4 streams are decoding (the 4 requests sent with them are in the engine too, or nearly).
-        await asyncio.wait_for(asyncio.gather(*(started[i].wait() for i in range(4, 8))), 120)
-        poison = {"model": model_name, "max_tokens": 4,
-                  "messages": [{"role": "user", "content": f"Please check{EAGER_POISON_WORD} now."}]}  # fmt: skip
-        refused = await client.post("/v1/chat/completions", json=poison)
+        soft, rebuild = "vlguard_engine_recoveries_total{soft}", "vlguard_engine_recoveries_total{rebuild}"
+        slow = slow_steps_flag(eager_server)
+        slow.touch()
+        try:
+            tasks = [asyncio.create_task(answer(client, i)) for i in range(8)]
+            # The 4 streams are decoding (the 4 requests sent with them are in the engine too, or nearly).
+            await asyncio.wait_for(asyncio.gather(*(started[i].wait() for i in range(4, 8))), 120)
+            poison = {"model": model_name, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": f"Please check{EAGER_POISON_WORD} now."}]}  # fmt: skip
+            refusal = asyncio.create_task(client.post("/v1/chat/completions", json=poison))
+            await asyncio.to_thread(poll, lambda: recovered(soft) > recoveries[soft], 120, "the poison's first fault")
+        finally:
+            slow.unlink()  # what was cut is replayed one by one (probation): at full speed
+        refused = await refusal
         results = await asyncio.gather(*tasks)
     assert refused.status_code == 400 and "quarantined" in refused.json()["error"]["message"]
     assert results == reference
     after = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
-    soft, rebuild = "vlguard_engine_recoveries_total{soft}", "vlguard_engine_recoveries_total{rebuild}"
     assert (after[soft] - recoveries[soft], after[rebuild] - recoveries[rebuild]) == (2, 0)
     # The poison's own replay is one; at least one other request in flight was cut and carried over.
     assert carried_over(eager_server) >= carried + 2

@@ -15,6 +15,10 @@ the request runs normally (a transient device fault: the rebuilt engine serves t
 ``VLGUARD_TEST_POISON_CORE_TOKENS="12,34"``: the engine core's scheduler raises while processing the
 output of a step holding such a request, in the engine-core process (not the worker).
 
+``VLGUARD_TEST_SLOW_STEPS_IF=/path``: while that file exists, every step of the model runner first sleeps
+``SLOW_STEP_S``: requests decode for a known minimum time, so a test can send a fault while they are in
+the engine without making them long (the test creates the file, and removes it when done).
+
 ``VLGUARD_TEST_FAIL_START_IF=/path``: an engine whose processes start while that file exists fails
 during start-up (plugin loading raises in the engine core), so in-process restarts keep failing.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 POISON_ENV = "VLGUARD_TEST_POISON_TOKENS"
@@ -31,6 +36,8 @@ POISON_DEVICE_ENV = "VLGUARD_TEST_POISON_DEVICE_TOKENS"
 POISON_CORE_ENV = "VLGUARD_TEST_POISON_CORE_TOKENS"
 DEVICE_ONCE_ENV = "VLGUARD_TEST_POISON_DEVICE_ONCE"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
+SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"
+SLOW_STEP_S = 0.025
 logger = logging.getLogger("vllm.vlguard.test_faults")
 
 
@@ -44,8 +51,9 @@ def register() -> None:
     if flag and os.path.exists(flag) and "EngineCore" in _process_title():
         raise RuntimeError(f"vlguard test fault: engine start-up fails while {flag} exists")
     raise_on, exit_on, device_on = _needle(POISON_ENV), _needle(POISON_EXIT_ENV), _needle(POISON_DEVICE_ENV)
-    if raise_on or exit_on or device_on:
-        _poison_model_runner(raise_on, exit_on, device_on)
+    slow_flag = os.environ.get(SLOW_STEPS_ENV)
+    if raise_on or exit_on or device_on or slow_flag:
+        _poison_model_runner(raise_on, exit_on, device_on, slow_flag)
     if core_on := _needle(POISON_CORE_ENV):
         _poison_scheduler(core_on)
 
@@ -54,7 +62,7 @@ def _new_prompts(scheduler_output: Any) -> list[list[int]]:
     return [list(req.prompt_token_ids or []) for req in getattr(scheduler_output, "scheduled_new_reqs", [])]
 
 
-def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: list[int]) -> None:
+def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: list[int], slow_flag: str | None) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     original = GPUModelRunner.execute_model
@@ -62,6 +70,8 @@ def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: lis
         return
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if slow_flag and os.path.exists(slow_flag):
+            time.sleep(SLOW_STEP_S)
         for ids in _new_prompts(scheduler_output):
             if exit_on and contains(ids, exit_on):
                 os._exit(13)  # the worker process dies in the middle of the step
@@ -74,7 +84,7 @@ def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: lis
     execute_model.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
     logger.warning("vlguard test plugin: requests containing tokens %s crash the model, %s its process, %s "
-                   "the device", raise_on, exit_on, device_on)  # fmt: skip
+                   "the device; steps are slow while %s exists", raise_on, exit_on, device_on, slow_flag)  # fmt: skip
 
 
 def _poison_scheduler(core_on: list[int]) -> None:
