@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, vlguard_argv
+from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire, vlguard_argv, wait_retired
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"  # the fault plugin's: each step sleeps while that file exists
@@ -83,12 +83,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    while _EARLY:  # started early but never used (e.g. the run stopped first); each stopped on its own
-        _, srv = _EARLY.popitem()
-        try:
-            srv.stop()
-        except Exception as exc:  # the next one is still stopped
-            print(f"could not stop {srv.argv}: {exc!r}")
+    while _EARLY:  # started early but never used (e.g. the run stopped first)
+        retire(_EARLY.popitem()[1])
+    wait_retired()  # every server a fixture retired is gone before pytest exits
 
 
 def _session_server(name: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
@@ -117,7 +114,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             srv.first_text = greedy(client, str(tiny_model), TEXT_PROMPT)
         yield srv
     finally:
-        srv.stop()
+        retire(srv)
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +124,7 @@ def eager_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         yield srv
     finally:
-        srv.stop()
+        retire(srv)
 
 
 @pytest.fixture

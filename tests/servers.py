@@ -4,6 +4,7 @@ the tiny model's profile."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ __all__ = [
     "engine_env",
     "free_port",
     "metric_samples",
+    "retire",
     "vlguard_argv",
+    "wait_retired",
 ]
 
 
@@ -75,3 +78,22 @@ class SharedServer(ServerProcess):
 def vlguard_argv(model: Path, *extra: str) -> list[str]:
     """``python -m server serve <model> --config tiny-cpu.yaml <extra>`` with this interpreter."""
     return vlguard_command(model, "--config", str(TINY_PROFILE), *extra)
+
+
+_RETIRING: list[threading.Thread] = []
+
+
+def retire(srv: servers.ServerProcess) -> None:
+    """``srv.stop()`` in the background: a server's shutdown (5-8 s here, mostly vLLM waiting for its engine
+    processes to exit) then overlaps the next test instead of adding to the run. For fixture teardowns
+    only: a test that checks how a server stops stops it itself. :func:`wait_retired` (at the session's
+    end) waits for every retired server to be gone."""
+    thread = threading.Thread(target=srv.stop, name=f"stop {srv.url}")
+    thread.start()
+    _RETIRING.append(thread)
+
+
+def wait_retired() -> None:
+    """Wait for every server :func:`retire` is stopping (each ``stop()`` is bounded: SIGKILL after 60 s)."""
+    while _RETIRING:
+        _RETIRING.pop().join()

@@ -23,7 +23,7 @@ import pytest
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
 from tests.helpers import engine_core, poll
-from tests.servers import REPO, ServerProcess, engine_env, free_port, vlguard_argv
+from tests.servers import REPO, ServerProcess, engine_env, free_port, retire, vlguard_argv
 
 CONFIG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 IMAGES = ("coffee.png", "astronaut.png", "chelsea.png")
@@ -134,7 +134,7 @@ def replica(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                         env=engine_env(VLLM_CPU_OMP_THREADS_BIND="1")).start()  # fmt: skip
     srv.wait_ready()
     yield srv
-    srv.stop()
+    retire(srv)
 
 
 @dataclass

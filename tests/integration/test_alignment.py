@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from tests.integration.outputs import assert_same, greedy, two_pass_workload
-from tests.servers import ServerProcess, engine_env, metric_samples, vlguard_argv
+from tests.servers import ServerProcess, engine_env, metric_samples, retire, vlguard_argv
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
@@ -50,7 +50,7 @@ def aligned_unpatched(
                         "--enforce-eager", *CHUNKING[request.param])  # fmt: skip
     srv = ServerProcess(argv, logs / "server.log", env=env).start().wait_ready()
     yield srv, step_log
-    srv.stop()
+    retire(srv)
 
 
 def _client(srv: ServerProcess) -> OpenAI:

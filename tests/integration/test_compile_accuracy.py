@@ -19,7 +19,7 @@ from openai import OpenAI
 from server.patches.deepstack import EMPTY_BUFFER
 from tests.integration.outputs import IMAGE_PROMPTS, TEXT_PROMPT, Greedy, assert_same, greedy
 from tests.lanes import expected_patches, has_defect
-from tests.servers import ServerProcess, SharedServer, vlguard_argv
+from tests.servers import ServerProcess, SharedServer, retire, vlguard_argv
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
@@ -31,7 +31,7 @@ def _serve(tiny_model: Path, tmp: pytest.TempPathFactory, name: str, *flags: str
         with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             yield client
     finally:
-        srv.stop()
+        retire(srv)
 
 
 @pytest.fixture(scope="module")

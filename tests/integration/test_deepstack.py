@@ -18,7 +18,7 @@ from openai import OpenAI
 from server.patches.deepstack import EMPTY_BUFFER, PADDED_READ
 from tests.integration.outputs import IMAGE_PROMPTS, assert_same, greedy, two_pass_workload
 from tests.lanes import VLLM_VERSION, expected_patches, has_defect
-from tests.servers import ServerProcess, engine_env, metric_samples, vlguard_argv
+from tests.servers import ServerProcess, engine_env, metric_samples, retire, vlguard_argv
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
@@ -46,7 +46,7 @@ def padded_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     srv = _start(tiny_model, tmp_path_factory.mktemp("logs") / "padded-stock.log", "--guard-patches", "off",
                  "--guard-alignment", "off", "--enforce-eager", env=PADDING)  # fmt: skip
     yield srv
-    srv.stop()
+    retire(srv)
 
 
 @pytest.fixture(scope="module")
