@@ -25,6 +25,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,13 +120,13 @@ def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
             srv.start()
         for srv in servers.values():
             srv.wait_ready(opts.ready_timeout_s)
-            if srv.ready_path == "/ready":  # vlguard
+            if srv.ready_path == "/ready" and keeps_spare(srv):  # vlguard
                 spare_ready(srv, opts.ready_timeout_s)
             srv.pause()
         yield servers
     finally:
-        for srv in servers.values():
-            srv.stop()
+        with ThreadPoolExecutor(len(servers)) as pool:  # each stop waits seconds for its engine processes
+            list(pool.map(lambda srv: srv.stop(), servers.values()))
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -212,6 +213,14 @@ async def restart_on_exit(srv: ServerProcess, system: System) -> None:
         if system.stock and srv.proc is not None and srv.proc.poll() is not None:
             srv.start()
         await asyncio.sleep(0.2)
+
+
+def keeps_spare(srv: ServerProcess) -> bool:
+    """Whether the vlguard server ``srv`` was started with spare engine processes (``--guard-spare``, else
+    ``VLGUARD_SPARE`` in its environment; default on)."""
+    if "--guard-spare" in srv.argv[:-1]:
+        return srv.argv[srv.argv.index("--guard-spare") + 1] != "off"
+    return srv.env.get("VLGUARD_SPARE", "on") != "off"
 
 
 def spare_ready(srv: ServerProcess, timeout_s: float) -> bool | None:
