@@ -82,6 +82,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _EARLY[name] = _launch(name, cached_tiny_model(), factory.mktemp("logs"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which tears down session fixtures on an interrupt
 def pytest_sessionfinish(session: pytest.Session) -> None:
     while _EARLY:  # started early but never used (e.g. the run stopped first)
         retire(_EARLY.popitem()[1])

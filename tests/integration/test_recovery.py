@@ -217,7 +217,7 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
             refusal = asyncio.create_task(client.post("/v1/chat/completions", json=poison))
             await asyncio.to_thread(poll, lambda: recovered(soft) > recoveries[soft], 120, "the poison's first fault")
         finally:
-            slow.unlink()  # what was cut is replayed one by one (probation): at full speed
+            slow.unlink(missing_ok=True)  # what was cut is replayed one by one (probation): at full speed
         refused = await refusal
         results = await asyncio.gather(*tasks)
     assert refused.status_code == 400 and "quarantined" in refused.json()["error"]["message"]
