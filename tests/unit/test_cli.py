@@ -43,6 +43,7 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
 
 
+@pytest.mark.full_only  # vlguard's own order of start-up (bind, then build): the same on every lane; 14-22 s
 def test_a_port_in_use_fails_the_start_before_the_engine_is_built(tmp_path: Path) -> None:
     """The HTTP port is bound before the engine is built (as ``vllm serve`` does): a port in use ends the
     start at once with status 3, and the engine's processes can never take the port while they start (a CI
