@@ -19,13 +19,13 @@ import psutil
 import pytest
 
 from server.workload.images import photo_uri
-from server.workload.servers import metric_samples
 from server.workload.twopass import primary_messages
 from tests.conftest import EAGER_POISON_WORD, slow_steps_flag
 from tests.helpers import (
     carried_over,
     engine_core,
     gone,
+    labelled,
     metric,
     poll,
     spare_events,
@@ -184,8 +184,8 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
 
     started = [asyncio.Event() for _ in range(8)]
 
-    def recovered(kind: str) -> float:
-        return metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")[kind]
+    def recoveries() -> dict[str, float]:
+        return labelled(eager_server, "vlguard_engine_recoveries_total", "kind")
 
     async def answer(client: httpx.AsyncClient, i: int) -> tuple[int, object]:
         if i < 4:
@@ -201,11 +201,10 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
 
     async with httpx.AsyncClient(base_url=eager_server.url, timeout=600) as client:
         reference = await asyncio.gather(*(answer(client, i) for i in range(8)))
-        recoveries = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
+        before = recoveries()
         carried = await asyncio.to_thread(carried_over, eager_server)
         for event in started:
             event.clear()
-        soft, rebuild = "vlguard_engine_recoveries_total{soft}", "vlguard_engine_recoveries_total{rebuild}"
         slow = slow_steps_flag(eager_server)
         slow.touch()
         try:
@@ -215,14 +214,14 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
             poison = {"model": model_name, "max_tokens": 4,
                       "messages": [{"role": "user", "content": f"Please check{EAGER_POISON_WORD} now."}]}  # fmt: skip
             refusal = asyncio.create_task(client.post("/v1/chat/completions", json=poison))
-            await asyncio.to_thread(poll, lambda: recovered(soft) > recoveries[soft], 120, "the poison's first fault")
+            await asyncio.to_thread(poll, lambda: recoveries()["soft"] > before["soft"], 120, "the first fault")
         finally:
             slow.unlink(missing_ok=True)  # what was cut is replayed one by one (probation): at full speed
         refused = await refusal
         results = await asyncio.gather(*tasks)
     assert refused.status_code == 400 and "quarantined" in refused.json()["error"]["message"]
     assert results == reference
-    after = metric_samples(eager_server.url, "vlguard_engine_recoveries_total", by_label="kind")
-    assert (after[soft] - recoveries[soft], after[rebuild] - recoveries[rebuild]) == (2, 0)
+    after = recoveries()
+    assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
     # The poison's own replay is one; at least one other request in flight was cut and carried over.
     assert carried_over(eager_server) >= carried + 2
