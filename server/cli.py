@@ -110,7 +110,8 @@ def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettin
 
 
 def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[str, Any]:
-    """The engine arguments vLLM would build from ``args``, the front-end address and guard settings.
+    """The engine arguments vLLM would build from ``args``, what vlguard changes in vLLM's behaviour
+    (:func:`server.serve.vllm_changes`), the front-end address and guard settings.
 
     Reads exactly the fields ``AsyncEngineArgs.from_cli_args`` hands to the constructor, plus vlguard's
     overrides, without running ``__post_init__`` (which loads plugins and, under ``HF_HUB_OFFLINE``,
@@ -118,12 +119,13 @@ def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[s
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from server.serve import engine_overrides
+    from server.serve import engine_overrides, vllm_changes
 
     engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncEngineArgs) if hasattr(args, f.name)}
     engine.update(engine_overrides(args, settings))
     return {
         "engine": engine,
+        "vlguard_changes": vllm_changes(args, settings),
         "frontend": {"host": args.host, "port": args.port, "served_model_name": args.served_model_name},
         "guard": settings.model_dump(),
     }

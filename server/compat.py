@@ -14,6 +14,11 @@ resolved here, newest location first, and nowhere else:
 - ``init_app_state``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22; 0.32 keeps a deprecated
   re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32).
 
+vLLM's choice of multimodal processor cache type is the method
+``vllm.multimodal.registry.MultiModalRegistry._get_cache_type(self, vllm_config)`` in 0.20 - 0.22 and the
+module function ``vllm.multimodal.cache.factories._get_cache_type(vllm_config)`` in 0.32
+(:func:`wrap_mm_cache_type`).
+
 ``Scheduler.finish_requests`` returns ``(id, client index)`` pairs up to 0.22 and ``Request`` objects in
 0.32 (:func:`finished_requests`). Differences in behaviour rather than location are handled where they
 happen, without version checks:
@@ -25,6 +30,7 @@ from 4 to 5 values in 0.32); the test-only padding emulation passes vLLM's keywo
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 #: name -> modules that may define it, newest vLLM first.
@@ -72,6 +78,36 @@ def source_of(name: str) -> str:
 def vllm_symbol(name: str) -> Any:
     """The installed vLLM's ``name`` (a class or function of :data:`MOVED`). Raises as :func:`source_of`."""
     return getattr(importlib.import_module(source_of(name)), name)
+
+
+#: Where vLLM chooses its multimodal processor cache type, newest vLLM first: (module, class or None).
+CACHE_TYPE_CHOOSERS: tuple[tuple[str, str | None], ...] = (
+    ("vllm.multimodal.cache.factories", None),
+    ("vllm.multimodal.registry", "MultiModalRegistry"),
+)
+
+
+def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> str:
+    """Replace vLLM's ``_get_cache_type`` (the processor cache type chooser) by ``wrap(original)``.
+    ``wrap`` must accept both signatures (``(vllm_config)`` and ``(self, vllm_config)``).
+
+    Returns:
+        The qualified name that was replaced.
+    Raises:
+        ImportError: no known location defines the chooser (an unsupported vLLM version).
+    """
+    for module, owner in CACHE_TYPE_CHOOSERS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if _missing(exc, module):
+                continue
+            raise
+        target: Any = getattr(mod, owner) if owner else mod
+        if hasattr(target, "_get_cache_type"):
+            target._get_cache_type = wrap(target._get_cache_type)
+            return ".".join(filter(None, (module, owner, "_get_cache_type")))
+    raise ImportError("vLLM's multimodal cache type chooser was not found: unsupported vLLM version")
 
 
 def build_renderer_and_input_processor(vllm_config: Any) -> tuple[Any, Any]:

@@ -53,13 +53,12 @@ def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[
     """The engine arguments vlguard sets on top of the parsed ``vllm serve`` flags.
 
     - ``additional_config`` gains vlguard's compile-cache key when patches are on;
-    - ``scheduler_cls`` is vlguard's aligned scheduler when alignment is on (unless the user gave one);
-    - ``mm_processor_cache_gb`` is 0: replays re-submit already processed inputs to a new engine core,
-      which holds no cached images, and the API-side processor cache would have stripped the image data
-      from them (vLLM's "Expected a cached item for mm_hash" assertion). The engine core's encoder cache
-      still saves the vision encoder's work.
+    - ``scheduler_cls`` is vlguard's aligned scheduler when alignment is on (unless the user gave one).
+
+    vLLM's multimodal processor cache is left as configured; :mod:`server.guard.replay_cache` (installed
+    by :func:`run`) makes vLLM build it in the form replays survive.
     """
-    overrides: dict[str, Any] = {"mm_processor_cache_gb": 0}
+    overrides: dict[str, Any] = {}
     if settings.alignment:
         custom = getattr(args, "scheduler_cls", None)
         if custom in (None, SCHEDULER_CLS):
@@ -70,6 +69,19 @@ def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[
     if settings.patches and isinstance(additional, dict):
         overrides["additional_config"] = {**additional, **COMPILE_CACHE_KEY}
     return overrides
+
+
+def vllm_changes(args: argparse.Namespace, settings: GuardSettings) -> dict[str, str]:
+    """What vlguard changes in vLLM's behaviour for ``args``, one line each (``--print-config`` shows it)."""
+    changes = {name: f"{value!r} (vlguard)" for name, value in engine_overrides(args, settings).items()}
+    if getattr(args, "mm_processor_cache_gb", 0) > 0:
+        changes["mm_processor_cache_type"] = (
+            "processor_only where vLLM would choose lru or shm: processed images stay in the API process and "
+            "are sent whole, so replays reach any engine core with their data (server/guard/replay_cache.py)"
+        )
+    if settings.patches:
+        changes["model"] = "deepstack backports where the installed vLLM has the defects (server/patches)"
+    return changes
 
 
 def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngineArgs:
@@ -83,7 +95,7 @@ def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngin
 
 
 #: vlguard's vLLM general plugins (entry points in pyproject.toml).
-VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal", "vlguard_parent_watch")
+VLGUARD_PLUGINS = ("vlguard_patches", "vlguard_fatal", "vlguard_parent_watch", "vlguard_replay_cache")
 
 
 def plugin_allowlist(value: str | None) -> str | None:
@@ -177,6 +189,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
+    from server.guard import replay_cache
     from server.guard.fatal import ENV as FATAL_ENV
     from server.guard.spare import SpareKeeper
     from server.guard.supervisor import EngineState, Supervisor, build_async_llm
@@ -195,6 +208,16 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         os.environ["VLLM_PLUGINS"] = allowed
     if settings.alignment_max_capture_size:
         os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
+    # Replays need the processor cache in its API-side-only form: here, where that cache lives, and (the
+    # plugin, through this variable) in the engine processes, which then keep no receiver cache.
+    os.environ[replay_cache.ENV] = "1"
+    try:
+        logger.info("replay-safe processor cache: %s wrapped", replay_cache.install())
+        if not replay_cache.plugin_installed():
+            raise ImportError("entry point vlguard_replay_cache missing: reinstall vlguard")
+    except ImportError as exc:
+        logger.warning("processor cache off, so that replays stay safe: %s", exc)
+        args.mm_processor_cache_gb = 0
     set_ulimit()
 
     # Engine cores record their fatal errors below this (each engine in a directory of its own; the

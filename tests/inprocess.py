@@ -37,8 +37,10 @@ class EngineParts:
         from vllm.usage.usage_lib import UsageContext
 
         from server.compat import build_renderer_and_input_processor
+        from server.guard import replay_cache
         from server.serve import engine_args
 
+        replay_cache.install()  # as vlguard serve does: the processor cache in its replay-safe form
         args, settings = serve_args(str(model))
         vllm_config = engine_args(args, settings).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         renderer, input_processor = build_renderer_and_input_processor(vllm_config)

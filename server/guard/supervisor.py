@@ -340,8 +340,10 @@ class Supervisor:
                 self.spares.after_build()
         try:
             await engine.reset_mm_cache()  # drop the profiling run's dummy images
+            self._adopt_serving_renderer(engine)
             await asyncio.wait_for(self.probe(engine), self.settings.startup_timeout)
         except BaseException:
+            self._release_renderers(engine)
             await asyncio.to_thread(engine.shutdown)
             raise
         generation = self.generation + 1
@@ -364,6 +366,27 @@ class Supervisor:
                 await asyncio.to_thread(self.spares.replenish, config)  # spawning pickles the config: blocks
             except Exception:  # the engine serves without a spare; the next rebuild spawns
                 logger.exception("spare engine process not started")
+
+    def _adopt_serving_renderer(self, engine: Any) -> None:
+        """vLLM's serving classes render every request with the first engine's renderer (tokenizer, chat
+        template, multimodal processor and its processor cache); a rebuilt engine's output handler, started
+        by its first request, reports the cache statistics of ``engine.renderer`` (``vllm:mm_cache_*``):
+        point that at the renderer in use. The engine's own renderer stays with its input processor and is
+        shut down with the engine (:meth:`_release_renderers`)."""
+        if self._serving_renderer is not None:
+            engine.renderer = self._serving_renderer
+
+    def _release_renderers(self, engine: Any) -> None:
+        """Before ``engine`` is shut down: detach the serving renderer (``AsyncLLM.shutdown``, which its
+        ``__del__`` also runs, would stop its executors under the serving classes) and shut down the
+        engine's own renderer, if it has one besides."""
+        serving = self._serving_renderer
+        if engine.renderer is serving:
+            engine.renderer = None  # AsyncLLM.shutdown skips None
+        own = getattr(getattr(engine, "input_processor", None), "renderer", None)
+        if own is not None and own is not serving and own is not engine.renderer:
+            with contextlib.suppress(Exception):
+                own.shutdown()
 
     async def start(self) -> None:
         """Build the first engine and start watching it.
@@ -470,11 +493,7 @@ class Supervisor:
         # A stopped or hung core cannot exit cleanly; the workers of a killed one are orphans by now.
         killed = await asyncio.to_thread(watchdog.kill_tree, pids, tree)
         if engine is not None:
-            # vLLM's serving classes keep the first engine's renderer (tokenizer, chat template, multimodal
-            # processor: API-side only, no engine-core state with the processor cache off). AsyncLLM's
-            # shutdown(), which its __del__ also runs, would stop that renderer's executors under them.
-            if engine.renderer is self._serving_renderer:
-                engine.renderer = None  # detach; AsyncLLM.shutdown skips None
+            self._release_renderers(engine)
             if (handler := getattr(engine, "output_handler", None)) is not None:
                 handler.cancel()
             if (core := getattr(engine, "engine_core", None)) is not None:

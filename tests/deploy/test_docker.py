@@ -25,7 +25,7 @@ LAUNCH_LINE = (
     "--max-num-seqs 40 --seed 0"
 )
 #: What vlguard adds to vLLM's engine arguments (server.serve.engine_overrides), and nothing else.
-OVERRIDES = {"mm_processor_cache_gb", "scheduler_cls", "additional_config"}
+OVERRIDES = {"scheduler_cls", "additional_config"}
 STOCK_PACKAGES = re.compile(r"^(vllm|torch|torchvision|torchaudio|triton|xformers|flashinfer|nvidia-)", re.I)
 
 

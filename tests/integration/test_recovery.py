@@ -85,7 +85,10 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     """CASES C5: SIGKILL of the engine core with 32 requests inside the engine (16 non-streaming, 16 streams;
     half with an image): every non-streaming request 200, streams complete or end with an error event,
     /ready 200 -> 503 -> 200 and never refused, one death, every request carried over. #18: the rebuild's
-    engine core and worker are the spare processes (no process start or import on its critical path)."""
+    engine core and worker are the spare processes (no process start or import on its critical path).
+    #16: the image requests are processor-cache hits (the photo was sent first), so their replays on the
+    new engine core need the image data vLLM's cache kept (vLLM's own split cache would have sent them
+    without it: "Expected a cached item"); after the rebuild vLLM's cache metrics still count."""
     image = photo_uri("chelsea.png")
     wait_spare_ready(eager_server)
     deaths_before, carried = metric(eager_server, "vlguard_engine_deaths_total"), carried_over(eager_server)
@@ -106,6 +109,8 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     worker: psutil.Process | None = None
     try:
         async with httpx.AsyncClient(base_url=eager_server.url, timeout=600, limits=limits) as client:
+            assert (await _chat(client, {**body(1, stream=False), "max_tokens": 1}))[0] == 200  # cached now
+            hits = await asyncio.to_thread(metric, eager_server, "vllm:mm_cache_hits_total")
             tasks = [asyncio.create_task(_chat(client, body(i, stream=i >= 16))) for i in range(32)]
             # Half are in; the engine's worker is stopped so that none finishes before the rest are in (on
             # a loaded 2-core machine the first ones once ended before the last arrived).
@@ -141,6 +146,14 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
         rebuild_log = log.read().decode(errors="replace")
     assert "EngineCore runs in spare process" in rebuild_log
     assert "VllmWorker-0 runs in spare process" in rebuild_log
+    # The 16 image requests were cache hits, counted by vLLM's metrics, and the rebuilt engine counts on.
+    assert metric(eager_server, "vllm:mm_cache_hits_total") >= hits + 16
+    counted = ("vllm:mm_cache_queries_total", "vllm:prefix_cache_queries_total")
+    before = {name: metric(eager_server, name) for name in counted}
+    async with httpx.AsyncClient(base_url=eager_server.url, timeout=120) as client:
+        assert (await _chat(client, {**body(1, stream=False), "max_tokens": 1}))[0] == 200
+    for name in counted:
+        poll(lambda: metric(eager_server, name) > before[name], 30, f"{name} to count the request")  # noqa: B023
 
 
 @pytest.mark.full_only  # the keeper is vLLM-agnostic; each lane's hand-over is checked by the C5 test above

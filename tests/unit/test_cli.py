@@ -39,8 +39,11 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["max_num_seqs"] == 40
     assert engine["seed"] == 0
     assert cfg["guard"]["patches"] is True
-    assert engine["mm_processor_cache_gb"] == 0  # vlguard's override is shown, as it will be applied
+    assert engine["mm_processor_cache_gb"] > 0  # vLLM's default: left on, in its replay-safe form
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
+    changes = cfg["vlguard_changes"]  # every change to vLLM's behaviour, one line each
+    assert set(changes) == {"scheduler_cls", "additional_config", "mm_processor_cache_type", "model"}
+    assert changes["mm_processor_cache_type"].startswith("processor_only where vLLM would choose lru or shm")
 
 
 @pytest.mark.full_only  # vlguard's own order of start-up (bind, then build): the same on every lane; 14-22 s

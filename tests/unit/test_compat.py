@@ -5,6 +5,7 @@ test_aligned_scheduler on every lane; the padding emulation's keyword arguments 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import sys
 from pathlib import Path
@@ -63,3 +64,34 @@ def test_a_broken_location_is_an_error_not_a_fallback(tmp_path: Path, monkeypatc
     monkeypatch.setitem(compat.MOVED, "thing", ("vlguard_absent_pkg.mod",))
     with pytest.raises(ImportError, match="unsupported vLLM version"):
         compat.vllm_symbol("thing")
+
+
+def test_cache_type_chooser_is_wrapped_where_the_lane_defines_it() -> None:
+    from server.guard.replay_cache import replay_safe
+
+    module, owner = compat.CACHE_TYPE_CHOOSERS[0 if NEW_LAYOUT[VLLM_VERSION] else -1]
+    target = importlib.import_module(module)
+    target = getattr(target, owner) if owner else target
+    original = target._get_cache_type
+    try:
+        where = compat.wrap_mm_cache_type(replay_safe)
+        assert where == ".".join(filter(None, (module, owner, "_get_cache_type")))
+        assert target._get_cache_type.__wrapped__ is original
+    finally:
+        target._get_cache_type = original
+
+
+@pytest.mark.parametrize(("chosen", "replay_safe_choice"), [
+    ("lru", "processor_only"), ("shm", "processor_only"), ("processor_only", "processor_only"), (None, None),
+])  # fmt: skip
+def test_split_caches_become_processor_only(chosen: str | None, replay_safe_choice: str | None) -> None:
+    from server.guard.replay_cache import replay_safe
+
+    def method(self: object, vllm_config: object) -> str | None:  # the 0.20 - 0.22 signature
+        return chosen
+
+    def function(vllm_config: object) -> str | None:  # the 0.32 signature
+        return chosen
+
+    assert replay_safe(method)(object(), object()) == replay_safe_choice
+    assert replay_safe(function)(object()) == replay_safe_choice

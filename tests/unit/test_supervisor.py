@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -110,6 +111,43 @@ async def test_failed_probe_is_a_death(make_guard: Callable[..., Any]) -> None:
     await g.sup._check()
     await g.state(EngineState.READY)
     assert g.sup.generation == 2
+
+
+class _Renderer:
+    shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+class _OwnRenderers(FakeEngineFactory):
+    """Engines with a renderer of their own, shared with their input processor (as ``AsyncLLM`` builds)."""
+
+    def __call__(self) -> Any:
+        engine = super().__call__()
+        engine.renderer = _Renderer()
+        engine.input_processor = SimpleNamespace(renderer=engine.renderer)
+        return engine
+
+
+async def test_rebuilt_engines_report_the_serving_renderer_and_shut_down_their_own(
+    make_guard: Callable[..., Any],
+) -> None:
+    """#16: vLLM's serving classes keep the first engine's renderer (and its processor cache), so a rebuilt
+    engine's output handler must report that one's statistics; its own renderer ends with it, the serving
+    one never does."""
+    g = await make_guard(_OwnRenderers(), ready_probe_interval=10)
+    first = g.factory.current
+    serving = first.renderer
+    for generation in (2, 3):
+        g.factory.current.die()
+        g.clock.now += 11
+        await g.sup._check()  # the probe fails: a death, then a rebuild
+        await g.state(EngineState.READY)
+        assert g.sup.generation == generation and g.factory.current.renderer is serving
+    second, third = g.factory.engines[1:]
+    assert second.input_processor.renderer.shut_down and not third.input_processor.renderer.shut_down
+    assert not serving.shut_down and first.renderer is None and second.renderer is None  # detached
 
 
 async def test_request_in_flight_at_a_death_is_replayed_on_the_next_engine(make_guard: Callable[..., Any]) -> None:

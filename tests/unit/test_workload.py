@@ -137,8 +137,11 @@ def test_bench_arguments_are_validated() -> None:
 
 def test_vlguard_plugins_stay_allowed_when_the_user_restricts_vllm_plugins() -> None:
     assert plugin_allowlist(None) is None  # unset: vLLM loads every installed plugin
-    assert plugin_allowlist("") == "vlguard_patches,vlguard_fatal,vlguard_parent_watch"
-    assert plugin_allowlist("mine, vlguard_fatal") == "mine,vlguard_fatal,vlguard_patches,vlguard_parent_watch"
+    assert plugin_allowlist("") == "vlguard_patches,vlguard_fatal,vlguard_parent_watch,vlguard_replay_cache"
+    assert (
+        plugin_allowlist("mine, vlguard_fatal")
+        == "mine,vlguard_fatal,vlguard_patches,vlguard_parent_watch,vlguard_replay_cache"
+    )
 
 
 def test_the_compare_waits_for_a_spare_only_where_vlguard_keeps_one() -> None:
