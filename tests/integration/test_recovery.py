@@ -107,21 +107,27 @@ async def test_kill_engine_core_with_32_requests_in_flight(eager_server: ServerP
     watcher.start()
     limits = httpx.Limits(max_connections=64)
     worker: psutil.Process | None = None
+    slow = slow_steps_flag(eager_server)
     try:
         async with httpx.AsyncClient(base_url=eager_server.url, timeout=600, limits=limits) as client:
             assert (await _chat(client, {**body(1, stream=False), "max_tokens": 1}))[0] == 200  # cached now
             hits = await asyncio.to_thread(metric, eager_server, "vllm:mm_cache_hits_total")
+            # No request may finish before all 32 are in: every step is 25 ms slower (>= 12.8 s a request)
+            # until half are in, then the engine's worker is stopped. (Without the slow steps, the tiny
+            # model's first requests sometimes finished, in 2-3 s, before the stall: at most 24 or 31 of
+            # the 32 were then ever in flight at once.)
+            slow.touch()
             tasks = [asyncio.create_task(_chat(client, body(i, stream=i >= 16))) for i in range(32)]
-            # Half are in; the engine's worker is stopped so that none finishes before the rest are in (on
-            # a loaded 2-core machine the first ones once ended before the last arrived).
             await wait_inflight(eager_server, 16)
             worker = stall_engine(old_core)
+            slow.unlink()  # the replays run at full speed
             # Well inside the guard's hang timeout (60 s): past it, the guard itself would end the stall.
             await wait_inflight(eager_server, 32, timeout_s=40)
             old_core.send_signal(signal.SIGKILL)
             results = await asyncio.gather(*tasks)
         poll(lambda: httpx.get(eager_server.url + "/ready").status_code == 200, 300, "ready again")
     finally:
+        slow.unlink(missing_ok=True)
         stop.set()
         watcher.join()
         stalled_worker_left = worker is not None and not gone(worker)
