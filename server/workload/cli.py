@@ -153,6 +153,8 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
     )
     for name, roles in result.get("cpu_ms_per_request", {}).items():
         print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
+    for name, phases in result.get("ttft_phases_ms", {}).items():
+        print(f"{name} TTFT phases, mean ms: " + ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases.items()))
     for name, counters in result["counters"].items():
         if counters:
             print(f"{name} counters over the measured rounds: " + ", ".join(f"{k}={v:g}" for k, v in counters.items()))

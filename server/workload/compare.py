@@ -68,6 +68,8 @@ COUNTERS = (
     "vlguard_deepstack_padded_reads_total",
     "vlguard_engine_deaths_total",
 )
+#: the ``_sum`` and ``_count`` samples of vLLM's TTFT phase histograms (:data:`report.ENGINE_PHASES`)
+PHASE_SAMPLES = tuple(name + suffix for name in report.ENGINE_PHASES.values() for suffix in ("_sum", "_count"))
 
 
 @dataclass
@@ -130,7 +132,7 @@ def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
 
 
 def _counters(url: str) -> dict[str, float]:
-    return metric_samples(url, *COUNTERS, by_label="outcome")
+    return metric_samples(url, *COUNTERS, *PHASE_SAMPLES, by_label="outcome")
 
 
 def _measure(
@@ -195,13 +197,15 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "ratios": report.ratios(summaries[a], summaries[b]),
         "round_throughput_ratios": round_ratios,
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
-        "counters": deltas,
+        "counters": {n: {k: v for k, v in d.items() if not k.startswith(PHASE_SAMPLES)} for n, d in deltas.items()},
         # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
         # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).
         "cpu_ms_per_request": {
             name: {role: 1000 * used / max(1, len(records[name])) for role, used in sorted(cpu[name].items())}
             for name in (a, b)
         },
+        # Where the time to first token goes, mean ms per request (vLLM's engine-side histograms).
+        "ttft_phases_ms": {name: report.phases_ms(records[name], deltas.get(name, {})) for name in (a, b)},
         "records": records,
     }
 

@@ -62,6 +62,38 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+#: vLLM's per-request histograms (seconds) that split the time to first token inside the engine: from the
+#: request's arrival at the engine client (after the HTTP layer and chat rendering) to its first token,
+#: and its waiting and prefill parts.
+ENGINE_PHASES = {
+    "engine_ttft": "vllm:time_to_first_token_seconds",
+    "queued": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+
+
+def phases_ms(records: Iterable[Record], counters: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per request of each part of the time to first token.
+
+    Arguments:
+        records: the measured requests (streamed ones give the client's TTFT).
+        counters: increases over the same requests of each :data:`ENGINE_PHASES` histogram's ``_sum`` and
+            ``_count`` samples.
+
+    Returns:
+        ``client_ttft`` (mean over streamed requests), one entry per :data:`ENGINE_PHASES` key, and
+        ``front`` = client TTFT - engine TTFT: the server's HTTP layer, chat rendering and input checks
+        before the engine client, plus writing the first SSE event. NaN where there is no sample.
+    """
+    ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+    out = {"client_ttft": 1000.0 * sum(ttfts) / len(ttfts) if ttfts else math.nan}
+    for phase, name in ENGINE_PHASES.items():
+        count = counters.get(name + "_count", 0.0)
+        out[phase] = 1000.0 * counters.get(name + "_sum", 0.0) / count if count else math.nan
+    out["front"] = out["client_ttft"] - out["engine_ttft"]
+    return out
+
+
 def table(summaries: dict[str, dict[str, Any]]) -> str:
     """A fixed-width text table, one row per named summary."""
     head = (

@@ -113,6 +113,17 @@ def test_ratios_divide_a_by_b_and_survive_empty_samples() -> None:
     assert math.isnan(report.ratios(fast, empty)["ttft_p50"])
 
 
+def test_ttft_phases_split_the_client_ttft_at_the_engine_client() -> None:
+    records = [_rec(True, 0.2, ttft=0.05, stream=True), _rec(True, 0.2, ttft=0.07, stream=True), _rec(True, 0.3)]
+    counters = {"vllm:time_to_first_token_seconds_sum": 0.12, "vllm:time_to_first_token_seconds_count": 3,
+                "vllm:request_queue_time_seconds_sum": 0.03, "vllm:request_queue_time_seconds_count": 3}  # fmt: skip
+    phases = report.phases_ms(records, counters)
+    assert phases["client_ttft"] == pytest.approx(60.0)
+    assert (phases["engine_ttft"], phases["queued"]) == (pytest.approx(40.0), pytest.approx(10.0))
+    assert phases["front"] == pytest.approx(20.0)
+    assert math.isnan(phases["prefill"])  # no sample: not zero
+
+
 def test_error_kinds_are_named_from_the_openai_client_exceptions() -> None:
     import httpx
     import openai
