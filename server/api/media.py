@@ -196,8 +196,26 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> str:
     return mime
 
 
-def checked_image_uri(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bool]:
+def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bytes | None]:
     """Check one encoded image (:func:`check_image_bytes`) and, with ``limits.normalize``, normalise it.
+
+    Returns:
+        ``(mime, normalized)``: its MIME type, and the normalised PNG when a rule applied (else None).
+
+    Raises:
+        MediaError: 400 when refused by the checks or its pixels cannot be decoded.
+    """
+    mime = check_image_bytes(where, data, limits)
+    if not limits.normalize:
+        return mime, None
+    try:
+        return mime, normalize_image(data, limits.upstream_rules)
+    except Exception as exc:  # Pillow's decoders raise OSError, ValueError, SyntaxError...
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image pixels cannot be decoded ({exc})") from None
+
+
+def checked_image_uri(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bool]:
+    """:func:`checked_image`, as a ``data:`` URI.
 
     Returns:
         ``(data_uri, normalized)``: the image as a ``data:`` URI (the normalised PNG when a rule applied).
@@ -205,15 +223,14 @@ def checked_image_uri(where: str, data: bytes, limits: MediaLimits) -> tuple[str
     Raises:
         MediaError: 400 when refused by the checks or its pixels cannot be decoded.
     """
-    mime = check_image_bytes(where, data, limits)
-    if limits.normalize:
-        try:
-            normalized = normalize_image(data, limits.upstream_rules)
-        except Exception as exc:  # Pillow's decoders raise OSError, ValueError, SyntaxError...
-            raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image pixels cannot be decoded ({exc})") from None
-        if normalized is not None:
-            return f"data:image/png;base64,{base64.b64encode(normalized).decode('ascii')}", True
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}", False
+    mime, normalized = checked_image(where, data, limits)
+    if normalized is not None:
+        return _data_uri("image/png", normalized), True
+    return _data_uri(mime, data), False
+
+
+def _data_uri(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBounds | None = None) -> MediaCheck:
@@ -238,10 +255,10 @@ def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBo
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
-            if part.is_image:
-                uri, rewritten = checked_image_uri(where, data, limits)
-                if rewritten:
-                    part.replace(uri)
+            if part.is_image:  # an unchanged image keeps its URI (no re-encoding)
+                _, png = checked_image(where, data, limits)
+                if png is not None:
+                    part.replace(_data_uri("image/png", png))
                     normalized += 1
             elif mime.startswith("image/"):
                 check_image_bytes(where, data, limits)
