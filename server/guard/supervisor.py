@@ -567,7 +567,10 @@ class Supervisor:
             self.report_death(generation, problem)
             return
         idle = not self.inflight
-        probe_due = self.clock() - (self.probe_ok_at or 0.0) > self.settings.ready_probe_interval
+        # Real output is as good as a probe (as for readiness): an engine serving traffic is not probed
+        # at each idle moment between requests.
+        answered = max(self.probe_ok_at or 0.0, self.last_output)
+        probe_due = self.clock() - answered > self.settings.ready_probe_interval
         if idle and probe_due:
             try:
                 await asyncio.wait_for(self.probe(engine), self.settings.hang_timeout)

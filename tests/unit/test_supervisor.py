@@ -104,6 +104,21 @@ async def test_ready_needs_a_recent_probe_or_output(make_guard: Callable[..., An
     assert g.sup.is_ready() and g.sup.state is EngineState.READY
 
 
+async def test_an_engine_with_recent_output_is_not_probed(make_guard: Callable[..., Any]) -> None:
+    """Real output stands in for the probe (#16: a probe at every idle moment of a busy engine cost each
+    request CPU in the API process and the engine)."""
+    g = await make_guard(ready_probe_interval=10)
+    engine = g.factory.current
+    g.clock.now += 8
+    assert await g.collect([1, 2, 3]) == greedy_tokens([1, 2, 3], 4)  # real output at t = 8
+    g.clock.now += 8  # 16 s after the start-up probe, 8 s after the output
+    await g.sup._check()
+    assert not [r for r in engine.requests[1:] if r.startswith("vlguard-probe-")]
+    g.clock.now += 3  # 11 s without output: due
+    await g.sup._check()
+    assert [r for r in engine.requests[1:] if r.startswith("vlguard-probe-")]
+
+
 async def test_failed_probe_is_a_death(make_guard: Callable[..., Any]) -> None:
     g = await make_guard(ready_probe_interval=10)
     g.factory.current.die()
