@@ -42,7 +42,7 @@ from server.settings import GuardSettings
 CHECKED_PATHS = (*GENERATION_PATHS, "/tokenize")
 
 #: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); so are
-#: bodies with inline media when images are normalised.
+#: bodies with an image to normalise (decoded and re-encoded).
 _OFFLOAD_BYTES = 1 << 20
 
 
@@ -151,11 +151,16 @@ class InputGuardMiddleware:
         if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
             message = f"request body must be a JSON object, not {type(body).__name__}"
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
-        # Off the event loop when large or when images may be normalised (tens of ms per affected image).
-        if len(raw) > _OFFLOAD_BYTES or (self.limits.normalize and b";base64," in raw):
-            checked = await asyncio.to_thread(check_media, body, self.limits, self.pixel_bounds())
+        # Header-level checks on the event loop (under a millisecond an image: a hop to a thread and back
+        # cost more under load, when the loop is busy); off it when the body is large, or when an image
+        # must be decoded and re-encoded (tens of ms an image).
+        bounds = self.pixel_bounds()
+        if len(raw) > _OFFLOAD_BYTES:
+            checked = await asyncio.to_thread(check_media, body, self.limits, bounds)
         else:
-            checked = check_media(body, self.limits, self.pixel_bounds())
+            checked = check_media(body, self.limits, bounds, decode=False)
+            if checked.pending:
+                checked = await asyncio.to_thread(check_media, body, self.limits, bounds)
         changed = checked.normalized > 0
         if self.limits.remote_media and await inline_remote_media(body, self.limits, self.remote):
             changed = True

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, NamedTuple
 
-from server.api.pixels import normalize_image
+from server.api.pixels import image_rules, normalize_image
 
 #: Content-part types that carry media -> the key holding their URL (or inline data). The responses
 #: API's ``input_image`` keeps its URL under ``image_url`` as a plain string.
@@ -103,10 +103,12 @@ class MediaPart:
 
 
 class MediaCheck(NamedTuple):
-    """What :func:`check_media` did: parts checked, images rewritten by normalisation."""
+    """What :func:`check_media` did: parts checked, images rewritten by normalisation, and images that
+    need normalising but were left as they are (``decode=False``)."""
 
     parts: int
     normalized: int
+    pending: int = 0
 
 
 def _media_kind(part: Any) -> str | None:
@@ -233,10 +235,14 @@ def _data_uri(mime: str, data: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBounds | None = None) -> MediaCheck:
+def check_media(
+    body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBounds | None = None, decode: bool = True
+) -> MediaCheck:
     """Check every media part of ``body`` and, given the server's ``pixel_bounds``, its
     ``mm_processor_kwargs`` (503 while they are :data:`BOUNDS_PENDING`); with ``limits.normalize``,
-    replace (in place) every ``data:`` image a normalisation rule applies to.
+    replace (in place) every ``data:`` image a normalisation rule applies to. With ``decode=False`` such
+    an image is only counted (``pending``), not decoded: the checks then read headers and checksums only
+    (under a millisecond an image), cheap enough for the event loop.
 
     Raises:
         MediaError: the first part that is refused (400, or 413 for an oversized one; 503 for
@@ -248,14 +254,17 @@ def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBo
         )
     if pixel_bounds is not None:
         requested_pixel_bounds(body.get("mm_processor_kwargs"), pixel_bounds)
-    count = normalized = 0
+    count = normalized = pending = 0
     for part in media_parts(body):
         where, kind, url = part.where, part.kind, part.url
         count += 1
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
-            if part.is_image:  # an unchanged image keeps its URI (no re-encoding)
+            if part.is_image and not decode and limits.normalize:
+                check_image_bytes(where, data, limits)
+                pending += bool(image_rules(data, limits.upstream_rules))
+            elif part.is_image:  # an unchanged image keeps its URI (no re-encoding)
                 _, png = checked_image(where, data, limits)
                 if png is not None:
                     part.replace(_data_uri("image/png", png))
@@ -279,7 +288,7 @@ def check_media(body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBo
                 )
         else:
             raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: unsupported {kind} URL {url[:40]!r}")
-    return MediaCheck(count, normalized)
+    return MediaCheck(count, normalized, pending)
 
 
 #: ``mm_processor_kwargs`` keys a request may set: the processed-size bounds of Qwen's image processor.

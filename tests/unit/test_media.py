@@ -57,8 +57,24 @@ def test_parts_are_found_as_vllm_reads_them() -> None:
 
 def test_a_good_image_passes_and_counts() -> None:
     body = _chat({"type": "image_url", "image_url": {"url": _png(64, 48)}})
-    assert check_media(body, LIMITS) == (1, 0)
-    assert check_media(body, dataclasses.replace(LIMITS, normalize=True)) == (1, 0)  # RGB: nothing to do
+    assert check_media(body, LIMITS) == (1, 0, 0)
+    assert check_media(body, dataclasses.replace(LIMITS, normalize=True)) == (1, 0, 0)  # RGB: nothing to do
+
+
+def test_without_decoding_an_image_to_normalise_is_counted_and_left_alone() -> None:
+    """The door's event-loop pass (``decode=False``) only counts an image a rule applies to (here: grey
+    with alpha, composited on white); the pass it then runs in a thread rewrites it."""
+    buf = io.BytesIO()
+    Image.new("LA", (8, 8)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = _chat({"type": "image_url", "image_url": {"url": url}})
+    limits = dataclasses.replace(LIMITS, normalize=True)
+    assert check_media(body, limits, decode=False) == (1, 0, 1)
+    assert next(iter(media_parts(body))).url == url
+    assert check_media(body, limits) == (1, 1, 0)
+    assert next(iter(media_parts(body))).url != url
+    with pytest.raises(MediaError, match="pixels"):  # the checks themselves still run without decoding
+        check_media(_chat({"type": "image_url", "image_url": {"url": _png(2000, 1000)}}), limits, decode=False)
 
 
 @pytest.mark.parametrize(
