@@ -103,8 +103,8 @@ def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]])
             if _missing(exc, module):
                 continue
             raise
-        target: Any = getattr(mod, owner) if owner else mod
-        if hasattr(target, "_get_cache_type"):
+        target: Any = getattr(mod, owner, None) if owner else mod
+        if target is not None and hasattr(target, "_get_cache_type"):
             target._get_cache_type = wrap(target._get_cache_type)
             return ".".join(filter(None, (module, owner, "_get_cache_type")))
     raise ImportError("vLLM's multimodal cache type chooser was not found: unsupported vLLM version")

@@ -218,6 +218,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     except ImportError as exc:
         logger.warning("processor cache off, so that replays stay safe: %s", exc)
         args.mm_processor_cache_gb = 0
+        os.environ.pop(replay_cache.ENV, None)  # the engine processes have nothing to install either
     set_ulimit()
 
     # Engine cores record their fatal errors below this (each engine in a directory of its own; the

@@ -124,8 +124,8 @@ class GuardSettings(BaseSettings):
     """Seconds between the supervisor's liveness checks of the engine-core process."""
 
     ready_probe_interval: float = Field(default=10.0, gt=0)
-    """Seconds between one-token readiness probes when the engine is idle; /ready needs one that
-    succeeded within three intervals (engine output from real traffic counts too)."""
+    """A one-token readiness probe runs when the engine is idle and this many seconds passed without a
+    probe or real output; /ready needs one of them within three intervals."""
 
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds SIGTERM waits for in-flight requests before the engine is stopped."""

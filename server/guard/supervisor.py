@@ -383,8 +383,13 @@ class Supervisor:
         serving = self._serving_renderer
         if engine.renderer is serving:
             engine.renderer = None  # AsyncLLM.shutdown skips None
+        self._shutdown_own_renderer(engine)
+
+    def _shutdown_own_renderer(self, engine: Any) -> None:
+        """Shut down the renderer ``engine`` built for itself when it serves with another (a rebuilt
+        engine: :meth:`_adopt_serving_renderer`); ``AsyncLLM.shutdown`` only stops ``engine.renderer``."""
         own = getattr(getattr(engine, "input_processor", None), "renderer", None)
-        if own is not None and own is not serving and own is not engine.renderer:
+        if own is not None and own is not self._serving_renderer and own is not engine.renderer:
             with contextlib.suppress(Exception):
                 own.shutdown()
 
@@ -613,6 +618,7 @@ class Supervisor:
         engine, self._engine, self._latest = self._engine, None, None
         bound = self.settings.shutdown_timeout
         if engine is not None:
+            self._shutdown_own_renderer(engine)
             try:
                 await asyncio.wait_for(asyncio.to_thread(engine.shutdown), bound)
             except Exception:

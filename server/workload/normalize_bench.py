@@ -17,7 +17,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from server.api.media import MediaLimits, checked_image_uri
+from server.api.media import MediaLimits, checked_image
 from server.workload.images import photo_bytes
 
 LIMITS = MediaLimits(
@@ -50,7 +50,7 @@ def _median_ms(data: bytes, limits: MediaLimits, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        checked_image_uri("bench", data, limits)
+        checked_image("bench", data, limits)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
 

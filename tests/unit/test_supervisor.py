@@ -163,6 +163,8 @@ async def test_rebuilt_engines_report_the_serving_renderer_and_shut_down_their_o
     second, third = g.factory.engines[1:]
     assert second.input_processor.renderer.shut_down and not third.input_processor.renderer.shut_down
     assert not serving.shut_down and first.renderer is None and second.renderer is None  # detached
+    await g.sup.shutdown()  # the last engine's own renderer ends at shutdown too
+    assert third.input_processor.renderer.shut_down
 
 
 async def test_request_in_flight_at_a_death_is_replayed_on_the_next_engine(make_guard: Callable[..., Any]) -> None:
