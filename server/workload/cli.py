@@ -155,6 +155,12 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
         print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
     for name, phases in result.get("ttft_phases_ms", {}).items():
         print(f"{name} TTFT phases, mean ms: " + ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases.items()))
+    served = {name: n for name, n in result.get("engine_requests", {}).items() if n is not None}
+    if served:
+        print(
+            "requests the engines served (the client's and their own): "
+            + ", ".join(f"{k} {n:g}" for k, n in served.items())
+        )
     for name, counters in result["counters"].items():
         if counters:
             print(f"{name} counters over the measured rounds: " + ", ".join(f"{k}={v:g}" for k, v in counters.items()))

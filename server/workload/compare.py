@@ -204,8 +204,10 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
             name: {role: 1000 * used / max(1, len(records[name])) for role, used in sorted(cpu[name].items())}
             for name in (a, b)
         },
-        # Where the time to first token goes, mean ms per request (vLLM's engine-side histograms).
+        # Where the time to first token goes, mean ms per request (vLLM's own histograms, report.phases_ms).
         "ttft_phases_ms": {name: report.phases_ms(records[name], deltas.get(name, {})) for name in (a, b)},
+        # Requests each engine served in those rounds: the client's plus the server's own (probes).
+        "engine_requests": {n: deltas.get(n, {}).get(report.ENGINE_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
         "records": records,
     }
 

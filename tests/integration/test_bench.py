@@ -73,5 +73,5 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
     for side in ("vlguard", "stock"):  # both API processes and engine cores did measurable work
         assert data["cpu_ms_per_request"][side]["api"] > 0 and data["cpu_ms_per_request"][side]["engine_core"] > 0
         phases = data["ttft_phases_ms"][side]  # vLLM's TTFT histograms counted the measured requests
-        assert phases["engine_ttft"] > 0 and phases["prefill"] > 0 and math.isfinite(phases["front"]), phases
+        assert phases["vllm_ttft"] > 0 and phases["prefill"] > 0 and math.isfinite(phases["front"]), phases
     _assert_png(tmp_path / "compare-overhead-latency.png")

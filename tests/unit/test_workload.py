@@ -119,7 +119,7 @@ def test_ttft_phases_split_the_client_ttft_at_the_engine_client() -> None:
                 "vllm:request_queue_time_seconds_sum": 0.03, "vllm:request_queue_time_seconds_count": 3}  # fmt: skip
     phases = report.phases_ms(records, counters)
     assert phases["client_ttft"] == pytest.approx(60.0)
-    assert (phases["engine_ttft"], phases["queued"]) == (pytest.approx(40.0), pytest.approx(10.0))
+    assert (phases["vllm_ttft"], phases["queued"]) == (pytest.approx(40.0), pytest.approx(10.0))
     assert phases["front"] == pytest.approx(20.0)
     assert math.isnan(phases["prefill"])  # no sample: not zero
 
