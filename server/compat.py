@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 #: name -> modules that may define it, newest vLLM first.
@@ -56,6 +57,17 @@ def _missing(exc: ModuleNotFoundError, module: str) -> bool:
     return exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
 
 
+def _import_if_present(module: str) -> ModuleType | None:
+    """``module`` imported, or None when the installed vLLM has no such module. Raises what importing it
+    raises otherwise (a missing dependency of a module that exists is an error, not an absence)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if _missing(exc, module):
+            return None
+        raise
+
+
 def source_of(name: str) -> str:
     """The module the installed vLLM defines ``name`` in.
 
@@ -64,13 +76,8 @@ def source_of(name: str) -> str:
         ImportError: no known location defines it (an unsupported vLLM version).
     """
     for module in MOVED[name]:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if _missing(exc, module):
-                continue
-            raise
-        if hasattr(mod, name):
+        mod = _import_if_present(module)
+        if mod is not None and hasattr(mod, name):
             return module
     raise ImportError(f"vLLM defines {name} in none of {', '.join(MOVED[name])}: unsupported vLLM version")
 
@@ -97,12 +104,8 @@ def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]])
         ImportError: no known location defines the chooser (an unsupported vLLM version).
     """
     for module, owner in CACHE_TYPE_CHOOSERS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if _missing(exc, module):
-                continue
-            raise
+        if (mod := _import_if_present(module)) is None:
+            continue
         target: Any = getattr(mod, owner, None) if owner else mod
         if target is not None and hasattr(target, "_get_cache_type"):
             target._get_cache_type = wrap(target._get_cache_type)
