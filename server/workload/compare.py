@@ -68,8 +68,8 @@ COUNTERS = (
     "vlguard_deepstack_padded_reads_total",
     "vlguard_engine_deaths_total",
 )
-#: the ``_sum`` and ``_count`` samples of vLLM's TTFT phase histograms (:data:`report.ENGINE_PHASES`)
-PHASE_SAMPLES = tuple(name + suffix for name in report.ENGINE_PHASES.values() for suffix in ("_sum", "_count"))
+#: the ``_sum`` and ``_count`` samples of vLLM's TTFT phase histograms (:data:`report.TTFT_PHASES`)
+PHASE_SAMPLES = tuple(name + suffix for name in report.TTFT_PHASES.values() for suffix in ("_sum", "_count"))
 
 
 @dataclass
@@ -207,7 +207,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         # Where the time to first token goes, mean ms per request (vLLM's own histograms, report.phases_ms).
         "ttft_phases_ms": {name: report.phases_ms(records[name], deltas.get(name, {})) for name in (a, b)},
         # Requests each engine served in those rounds: the client's plus the server's own (probes).
-        "engine_requests": {n: deltas.get(n, {}).get(report.ENGINE_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
+        "engine_requests": {n: deltas.get(n, {}).get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
         "records": records,
     }
 

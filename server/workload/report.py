@@ -65,7 +65,7 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 #: vLLM's per-request histograms (seconds, recorded in the API process) that split the time to first token
 #: from the request's arrival at vLLM's renderer (chat template, tokenization and image preprocessing
 #: included) to its first token; and its waiting and prefill parts.
-ENGINE_PHASES = {
+TTFT_PHASES = {
     "vllm_ttft": "vllm:time_to_first_token_seconds",
     "queued": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",
@@ -77,11 +77,11 @@ def phases_ms(records: Iterable[Record], counters: dict[str, float]) -> dict[str
 
     Arguments:
         records: the measured requests (streamed ones give the client's TTFT).
-        counters: increases over the same requests of each :data:`ENGINE_PHASES` histogram's ``_sum`` and
+        counters: increases over the same requests of each :data:`TTFT_PHASES` histogram's ``_sum`` and
             ``_count`` samples.
 
     Returns:
-        ``client_ttft`` (mean over streamed requests), one entry per :data:`ENGINE_PHASES` key, and
+        ``client_ttft`` (mean over streamed requests), one entry per :data:`TTFT_PHASES` key, and
         ``front`` = client TTFT - vLLM's TTFT: the HTTP server, the app's middleware (vlguard's door),
         request parsing, and the first SSE event's way back. NaN where there is no sample. The histograms
         count every request the server ran (streamed or not, and a server's own, such as vlguard's
@@ -89,7 +89,7 @@ def phases_ms(records: Iterable[Record], counters: dict[str, float]) -> dict[str
     """
     ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
     out = {"client_ttft": 1000.0 * sum(ttfts) / len(ttfts) if ttfts else math.nan}
-    for phase, name in ENGINE_PHASES.items():
+    for phase, name in TTFT_PHASES.items():
         count = counters.get(name + "_count", 0.0)
         out[phase] = 1000.0 * counters.get(name + "_sum", 0.0) / count if count else math.nan
     out["front"] = out["client_ttft"] - out["vllm_ttft"]
