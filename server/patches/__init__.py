@@ -2,7 +2,8 @@
 
 vLLM calls :func:`register` in the API, engine-core and worker processes. It hooks vLLM's model registry
 so that every model class vLLM loads is checked for the deepstack defects (:mod:`.detect`) and patched
-only where the installed code still has them (:mod:`.deepstack`). ``VLGUARD_PATCHES=off`` disables it.
+only where the installed code still has them (:mod:`.deepstack`), and lets vLLM's compile cache load the
+CPU platform's inductor artifacts (:mod:`.aot_cache`). ``VLGUARD_PATCHES=off`` disables both.
 """
 
 from __future__ import annotations
@@ -121,3 +122,9 @@ def register() -> None:
         _hook_model_registry()
     except Exception:
         logger.exception("vlguard: plugin registration failed; running without patches")
+    try:
+        from server.patches import aot_cache
+
+        aot_cache.install()
+    except Exception:
+        logger.exception("vlguard: compile-cache load backport not installed; vLLM's own loading applies")
