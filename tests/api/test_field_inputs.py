@@ -107,7 +107,10 @@ CONTENT_TYPES = [None, "text/plain", "application/x-www-form-urlencoded", "multi
                  "application/json, text/plain"]  # fmt: skip
 BODIES = [b"", b"\xff\xfe\x00", b"[]", b"null", b'"text"', b"123", b'{"messages": "x"}', b'{"model": {"a": 1}}',
           b"[" * 5000 + b"]" * 5000, b'{"model": "m", "messages": [{"role": "user", "content": [{"type": 7}]}]}',
-          b'{"model": "m", "prompt": [[1, "a"]], "max_tokens": "x"}', b'{"input": {"bad": true}}']  # fmt: skip
+          b'{"model": "m", "prompt": [[1, "a"]], "max_tokens": "x"}', b'{"input": {"bad": true}}',
+          b'{"model": "m", "messages": ' + b"[" * 300 + b"]" * 300 + b"}",  # the door's fast parser refuses this depth,
+          b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate
+          '{"model": "m", "messages": []}'.encode("utf-16")]  # fmt: skip
 
 
 async def test_no_content_type_or_body_shape_gets_a_500(api: Api) -> None:

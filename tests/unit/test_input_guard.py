@@ -1,0 +1,37 @@
+"""The door's JSON parse (:func:`server.api.input_guard._parse_json`): pydantic's fast parser, and for
+whatever it refuses the standard library's result, which is what vLLM's own parser sees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.api.input_guard import _MALFORMED, _parse_json
+from server.api.media import MediaError
+
+SAME_AS_JSON = [
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}',
+    b"[" * 300 + b"]" * 300,  # deeper than pydantic's limit (200), well within json's
+    b'{"content": "\\ud800 lone surrogate"}',  # pydantic refuses it
+    '{"content": "utf-16"}'.encode("utf-16"),  # json detects the encoding
+    b'{"temperature": NaN, "n": 123456789012345678901234567890}',
+    b'{"a": 1, "a": 2}',  # the last key wins in both
+]
+
+
+@pytest.mark.parametrize("raw", SAME_AS_JSON, ids=range(len(SAME_AS_JSON)))
+def test_the_parse_equals_the_standard_library(raw: bytes) -> None:
+    expected, got = json.loads(raw), _parse_json(raw)
+    assert json.dumps(got) == json.dumps(expected)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe\x00", b'{"a": 1,}', b"[1] x"])
+def test_malformed_json_is_left_to_vllm(raw: bytes) -> None:
+    assert _parse_json(raw) is _MALFORMED
+
+
+def test_json_too_deep_for_the_standard_library_is_a_400() -> None:
+    with pytest.raises(MediaError) as err:
+        _parse_json(b"[" * 100_000 + b"]" * 100_000)
+    assert err.value.status == 400
