@@ -81,6 +81,10 @@ def vllm_changes(args: argparse.Namespace, settings: GuardSettings) -> dict[str,
         )
     if settings.patches:
         changes["model"] = "deepstack backports where the installed vLLM has the defects (server/patches)"
+        changes["compile_cache"] = (
+            "stored inductor artifacts (the CPU platform's) load instead of compiling again at every start "
+            "(server/patches/aot_cache.py)"
+        )
     return changes
 
 

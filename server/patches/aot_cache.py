@@ -1,9 +1,10 @@
 """Backport: vLLM's AOT compile cache loads inductor artifacts (the CPU platform's) instead of recompiling.
 
-vLLM 0.20.0 and 0.22.1 finish loading a stored torch.compile artifact with
+vLLM 0.20.0, 0.22.1 and 0.32.0 finish loading a stored torch.compile artifact with
 ``loaded_fn._artifacts.compiled_fn.finalize_loading(vllm_config)``. vLLM's own backend
-(``VllmSerializableFunction``) has that method; the stock inductor backend, which the CPU platform uses
-(compilation mode ``DYNAMO_TRACE_ONCE``), stores a plain function, which has not. The load then raises
+(``VllmSerializableFunction``) has that method; what the stock inductor backend stores, which the CPU
+platform uses (compilation mode ``DYNAMO_TRACE_ONCE``), loads as torch's serializable callable around the
+compiled function, which has not. The load then raises
 ``AttributeError``, vLLM treats it as a cache miss ("Compiling model again due to a load failure ...
 'function' object has no attribute 'finalize_loading'") and compiles the model again: every start and
 every engine rebuild pays the compile (measured on the tiny model, vLLM 0.20.0: 7 s of a 16.8 s rebuild;
@@ -67,7 +68,7 @@ def install() -> bool:
         from server.patches import enabled
 
         if enabled() and add_finalize_loading(loaded):
-            logger.info("vlguard: %s: stored inductor artifact loaded without recompiling", NAME)
+            logger.info("vlguard: %s: added the no-op finalize_loading vLLM calls on a loaded inductor artifact", NAME)
         return loaded
 
     setattr(load_compiled_function, _MARK, True)

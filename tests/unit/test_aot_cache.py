@@ -38,6 +38,7 @@ def test_vllm_own_artifact_and_other_shapes_are_left_alone() -> None:
 def test_the_wrapper_adds_it_only_with_patches_on_and_installs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.compiler
 
+    monkeypatch.delenv("VLGUARD_PATCHES", raising=False)
     artifacts: list[Any] = []
 
     def load(*args: Any, **kwargs: Any) -> SimpleNamespace:
@@ -65,12 +66,14 @@ def test_a_real_stored_inductor_artifact_lacks_the_method_and_loads_with_it(
     compiled = torch.compile(_model, fullgraph=True, dynamic=False, backend="inductor").aot_compile(((x,), {}))
     path = tmp_path / "artifact.bin"
     compiled.save_compiled_function(str(path))
-    original = torch.compiler.load_compiled_function
+    loader = torch.compiler.load_compiled_function  # wrapped already if a test before built vLLM's config
+    original = getattr(loader, "__wrapped__", loader)
     with path.open("rb") as f:
         plain = original(f)
     assert not hasattr(plain._artifacts.compiled_fn, "finalize_loading")  # vLLM's load fails on this
 
     monkeypatch.setattr(torch.compiler, "load_compiled_function", original)
+    monkeypatch.delenv("VLGUARD_PATCHES", raising=False)
     aot_cache.install()
     with path.open("rb") as f:
         loaded = torch.compiler.load_compiled_function(f)

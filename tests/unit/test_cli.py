@@ -42,7 +42,7 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["mm_processor_cache_gb"] > 0  # vLLM's default: left on, in its replay-safe form
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
     changes = cfg["vlguard_changes"]  # every change to vLLM's behaviour, one line each
-    assert set(changes) == {"scheduler_cls", "additional_config", "mm_processor_cache_type", "model"}
+    assert set(changes) == {"scheduler_cls", "additional_config", "mm_processor_cache_type", "model", "compile_cache"}
     assert changes["mm_processor_cache_type"].startswith("processor_only where vLLM would choose lru or shm")
 
 
