@@ -49,9 +49,15 @@ logger = logging.getLogger("vllm.vlguard.spare")
 PER_ENGINE_ENV = frozenset({fatal.ENV, soft.ENABLED_ENV, soft.MAX_ENV, soft.WINDOW_ENV})
 PROCESS_ENV = frozenset({parent_watch.PARENT_ENV})
 
-#: What an engine-core spare imports. The scheduler module is imported only once the engine core has built
-#: its executor and KV cache (~3 s on the 2-core machine, seen in a rebuild's log after "init engine").
-CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor", "vllm.v1.core.sched.scheduler")
+#: What an engine-core spare imports. The scheduler modules (vLLM's, and the asynchronous one vlguard's
+#: aligned scheduler also imports) are imported only once the engine core has built its executor and KV
+#: cache (~3 s on the 2-core machine, seen in a rebuild's log after "init engine").
+CORE_MODULES = (
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.core.sched.async_scheduler",
+)
 #: Cached per process, computed during a CPU worker's first ``torch.compile`` (vLLM compiles its CPU
 #: sampler even with --enforce-eager): which vector ISA the C++ compiler supports (two ``python -c``
 #: subprocesses importing torch) and hashes of torch's and triton's sources. Profiled in a rebuild's
