@@ -53,8 +53,8 @@ _MALFORMED = object()
 def _parse_json(raw: bytes) -> Any:
     """The request body parsed, or :data:`_MALFORMED`. pydantic's JSON parser first (~5x the standard
     library's on a body with an image, and on the event loop every request pays it); what it refuses
-    (depth over its limit of 200, lone surrogates, malformed JSON) is parsed again by ``json``, whose
-    result vLLM's own parser would see.
+    (depth over its limit of 200, lone surrogates, a byte-order mark, UTF-16 or UTF-32, malformed JSON)
+    is parsed again by ``json``, whose result vLLM's own parser would see.
 
     Raises:
         MediaError: 400 for JSON nested too deeply for ``json`` (FastAPI's parser would answer 500).

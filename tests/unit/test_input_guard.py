@@ -17,6 +17,8 @@ SAME_AS_JSON = [
     '{"content": "utf-16"}'.encode("utf-16"),  # json detects the encoding
     b'{"temperature": NaN, "n": 123456789012345678901234567890}',
     b'{"a": 1, "a": 2}',  # the last key wins in both
+    b'\xef\xbb\xbf{"a": 1}',  # a UTF-8 byte-order mark: pydantic refuses it
+    b'"\xed\xa0\x80"',  # a surrogate encoded as UTF-8 bytes: pydantic refuses it, json keeps it
 ]
 
 

@@ -85,6 +85,9 @@ def test_without_decoding_an_image_to_normalise_is_counted_and_left_alone() -> N
         ("data:image/png;base64," + "A" * (2 << 20), HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "more than the limit"),
         ("data:image/png;base64,", HTTPStatus.BAD_REQUEST, "empty"),
         ("data:image/png;base64,****", HTTPStatus.BAD_REQUEST, "invalid base64"),
+        ("data:image/png;base64,aGVsbG8", HTTPStatus.BAD_REQUEST, "Incorrect padding"),  # unpadded
+        ("data:image/png;base64,aGVs\nbG8=", HTTPStatus.BAD_REQUEST, "Only base64 data"),  # line-wrapped
+        ("data:image/png;base64,aGVsbG8é", HTTPStatus.BAD_REQUEST, "invalid base64"),  # not ASCII
         ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), HTTPStatus.BAD_REQUEST, "readable"),
         ("https://example.invalid/a.png", HTTPStatus.BAD_REQUEST, "remote"),
         ("file:///etc/passwd", HTTPStatus.BAD_REQUEST, "local file"),
