@@ -73,6 +73,7 @@ def register() -> None:
     if os.environ.get(ENV) != "1":
         return
     try:
-        install()
+        if _installed_at is None:  # vlguard serve installs (and logs) it in its own process first
+            logger.info("vlguard: replay-safe multimodal processor cache in this process (%s wrapped)", install())
     except Exception:
         logger.exception("vlguard: replay-safe processor cache not installed in this process")

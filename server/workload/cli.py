@@ -151,6 +151,12 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
         f"{result['median_round_throughput_ratio']:.3f}), TTFT p50 {r['ttft_p50']:.3f} p99 {r['ttft_p99']:.3f}, "
         f"e2e p50 {r['e2e_p50']:.3f} p99 {r['e2e_p99']:.3f}; TTFT p50 difference {r['ttft_p50_diff_ms']:+.1f} ms"
     )
+    if "throughput_ratio_ci90" in result:
+        (t_lo, t_hi), (d_lo, d_hi) = result["throughput_ratio_ci90"], result["ttft_p50_diff_ci90_ms"]
+        print(
+            f"90 % bootstrap intervals: throughput ratio {t_lo:.3f} to {t_hi:.3f} (rounds resampled in pairs), "
+            f"TTFT p50 difference {d_lo:+.1f} to {d_hi:+.1f} ms"
+        )
     for name, roles in result.get("cpu_ms_per_request", {}).items():
         print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
     for name, phases in result.get("ttft_phases_ms", {}).items():

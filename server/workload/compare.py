@@ -5,6 +5,9 @@ Scenarios (systems A / B; every ratio printed is A / B):
 - ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost).
 - ``alignment``: vlguard with chunk alignment on vs off (deepstack patches as detected on both).
 - ``patches``: vlguard with the deepstack backports on vs off.
+- ``cache``: stock vLLM with the replay-safe processor cache vlguard uses (``processor_only``, through
+  vlguard's ``vlguard_replay_cache`` plugin) vs stock with its default split cache: what replay safety
+  costs vLLM itself, without the rest of vlguard.
 - ``kill``: vlguard vs stock, each SIGKILLed in its ``VLLM::EngineCore`` after ``kill_after`` successful
   requests. The stock server exits on engine death; the harness starts it again at once, as systemd's
   ``Restart=always`` would, so its recovery includes the cold start.
@@ -44,6 +47,8 @@ class System:
     name: str
     stock: bool = False
     guard_args: tuple[str, ...] = ()
+    stock_plugins: str = ""  # the stock server's VLLM_PLUGINS (vlguard's plugins are installed beside it)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 SCENARIOS: dict[str, tuple[System, System]] = {
@@ -57,6 +62,15 @@ SCENARIOS: dict[str, tuple[System, System]] = {
         System("unpatched", guard_args=("--guard-patches", "off")),
     ),
     "kill": (System("vlguard"), System("stock", stock=True)),
+    "cache": (
+        System(
+            "replay_safe",
+            stock=True,
+            stock_plugins="vlguard_replay_cache",
+            env=(("VLGUARD_REPLAY_CACHE", "1"),),
+        ),
+        System("split", stock=True),
+    ),
 }
 
 #: Counters read from each server's /metrics before and after the measured rounds (their deltas are reported).
@@ -67,6 +81,9 @@ COUNTERS = (
     "vlguard_alignment_deferred_tokens_total",
     "vlguard_deepstack_padded_reads_total",
     "vlguard_engine_deaths_total",
+    "vllm:prefix_cache_queries",  # tokens looked up in / found in the prefix cache (the rescue pass's hits)
+    "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens",
 )
 #: the ``_sum`` and ``_count`` samples of vLLM's TTFT phase histograms (:data:`report.TTFT_PHASES`)
 PHASE_SAMPLES = tuple(name + suffix for name in report.TTFT_PHASES.values() for suffix in ("_sum", "_count"))
@@ -94,18 +111,20 @@ class CompareOptions:
 
 
 def system_server(
-    system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str = ""
+    system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str | None = None
 ) -> ServerProcess:
     """The (not yet started) server of one side. ``extra_env`` goes to every side; ``stock_plugins`` is the
-    stock server's ``VLLM_PLUGINS`` (default none: vlguard's plugins, installed in the same environment,
-    stay out of stock)."""
+    stock server's ``VLLM_PLUGINS`` (default ``system.stock_plugins``, itself none by default: vlguard's
+    plugins, installed in the same environment, stay out of stock)."""
     log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
     log.write_bytes(b"")
+    extra_env = {**dict(system.env), **(extra_env or {})}
     if system.stock:
-        env = engine_env(VLLM_PLUGINS=stock_plugins, **(extra_env or {}))
+        plugins = system.stock_plugins if stock_plugins is None else stock_plugins
+        env = engine_env(VLLM_PLUGINS=plugins, **extra_env)
         return ServerProcess(stock_command(opts.model, *opts.serve_args), log, env=env, ready_path="/health")
     args = [*opts.serve_args, *system.guard_args]
-    env = engine_env(**(extra_env or {}))
+    env = engine_env(**extra_env)
     if opts.emulate_padding:  # the test-only plugin in tests/plugins (development environments)
         env["VLGUARD_TEST_EMULATE_PADDING"] = "1"
         args += ["--guard-alignment-max-capture-size", "512"]
@@ -160,6 +179,10 @@ def _measure(
                 cpu[role] = cpu.get(role, 0.0) + used - before.get(role, 0.0)
 
 
+def _ttfts(records: list[generator.Record]) -> list[float]:
+    return [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+
+
 def throughput(opts: CompareOptions) -> dict[str, Any]:
     """Alternating rounds on both systems of a throughput scenario; returns the result (records as
     :class:`~server.workload.generator.Record`)."""
@@ -168,6 +191,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
     wall = {a: 0.0, b: 0.0}
     cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
     round_ratios: list[float] = []
+    per_round: dict[str, list[tuple[float, float]]] = {a: [], b: []}  # (tokens, wall seconds) of each round
     with _running(opts) as servers:
         before: dict[str, dict[str, float]] = {}
         for rnd in range(-opts.warmup, opts.rounds):
@@ -184,6 +208,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
                 if rnd >= 0:
                     records[name] += res.records
                     wall[name] += res.wall_s
+                    per_round[name].append((rate[name] * res.wall_s, res.wall_s))
             if rnd >= 0:
                 round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
         deltas = {}
@@ -197,6 +222,9 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "ratios": report.ratios(summaries[a], summaries[b]),
         "round_throughput_ratios": round_ratios,
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
+        # How far the two headline figures can be trusted on this machine (90 % bootstrap intervals).
+        "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b]),
+        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(_ttfts(records[a]), _ttfts(records[b])),
         "counters": {n: {k: v for k, v in d.items() if not k.startswith(PHASE_SAMPLES)} for n, d in deltas.items()},
         # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
         # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).

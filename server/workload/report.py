@@ -48,6 +48,57 @@ def summarize(records: Iterable[Record], wall_s: float) -> dict[str, Any]:
     }
 
 
+def p50_diff_interval_ms(
+    a_s: Sequence[float], b_s: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Bootstrap interval of ``p50(a) - p50(b)`` in ms: how far a run's TTFT p50 difference can be trusted.
+
+    Arguments:
+        a_s, b_s: the two systems' samples, seconds (each resampled on its own, with replacement).
+        level: the interval's coverage (0.9: from the 5th to the 95th percentile of the resampled differences).
+
+    Returns:
+        ``(low, high)`` ms; NaNs when either side has fewer than 2 samples.
+    """
+    if len(a_s) < 2 or len(b_s) < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a_s) * 1000.0, np.asarray(b_s) * 1000.0
+    p50_a = np.median(rng.choice(a, (resamples, a.size)), axis=1)
+    diffs = p50_a - np.median(rng.choice(b, (resamples, b.size)), axis=1)
+    tail = 50.0 * (1.0 - level)
+    low, high = np.percentile(diffs, (tail, 100.0 - tail))
+    return float(low), float(high)
+
+
+def ratio_interval(
+    a_rounds: Sequence[tuple[float, float]],
+    b_rounds: Sequence[tuple[float, float]],
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Bootstrap interval of the throughput ratio ``a / b`` over paired rounds (a round's two runs are
+    resampled together, which keeps the pairing that cancels the machine's drift).
+
+    Arguments:
+        a_rounds, b_rounds: ``(tokens, wall seconds)`` of each round, in the same order on both sides.
+
+    Returns:
+        ``(low, high)``; NaNs when there are fewer than 2 rounds.
+    """
+    if len(a_rounds) < 2 or len(a_rounds) != len(b_rounds):
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a_rounds, dtype=float), np.asarray(b_rounds, dtype=float)
+    idx = rng.integers(0, len(a), (resamples, len(a)))
+    rate_a = a[idx, 0].sum(axis=1) / a[idx, 1].sum(axis=1)
+    rate_b = b[idx, 0].sum(axis=1) / b[idx, 1].sum(axis=1)
+    tail = 50.0 * (1.0 - level)
+    low, high = np.percentile(rate_a / rate_b, (tail, 100.0 - tail))
+    return float(low), float(high)
+
+
 def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     """``a / b`` for throughput and latency percentiles, plus the TTFT p50 difference in ms."""
 

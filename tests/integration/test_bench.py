@@ -65,6 +65,8 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
         assert (data["summaries"][name]["requests"], data["summaries"][name]["failed"]) == (8, 0), name
     assert all(math.isfinite(v) for v in data["ratios"].values()), data["ratios"]
     assert len(data["round_throughput_ratios"]) == 2
+    low, high = data["throughput_ratio_ci90"]  # two rounds resampled in pairs
+    assert low <= min(data["round_throughput_ratios"]) + 1e-9 and high >= max(data["round_throughput_ratios"]) - 1e-9
     # Both did the work; only vlguard exports vlguard's metrics (stock runs without vlguard's plugins).
     assert data["counters"]["vlguard"]["vllm:iteration_tokens_total_count"] > 0
     assert data["counters"]["stock"]["vllm:iteration_tokens_total_count"] > 0

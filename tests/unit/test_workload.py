@@ -113,6 +113,25 @@ def test_ratios_divide_a_by_b_and_survive_empty_samples() -> None:
     assert math.isnan(report.ratios(fast, empty)["ttft_p50"])
 
 
+def test_intervals_cover_the_point_estimate_and_narrow_with_more_samples() -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    a, b = 0.100 + 0.05 * rng.random(40), 0.090 + 0.05 * rng.random(40)
+    low, high = report.p50_diff_interval_ms(list(a), list(b))
+    point = 1000 * (np.median(a) - np.median(b))
+    assert low < point < high
+    more = report.p50_diff_interval_ms(list(np.tile(a, 16)), list(np.tile(b, 16)))
+    assert more[1] - more[0] < (high - low) / 2
+    assert all(math.isnan(x) for x in report.p50_diff_interval_ms([0.1], list(b)))
+    # Throughput: paired rounds; a round's drift hits both sides, so the ratio stays tight.
+    drift = [1.0, 0.5, 2.0, 0.8, 1.5]
+    a_rounds = [(1100.0 * d, 1.0) for d in drift]
+    b_rounds = [(1000.0 * d, 1.0) for d in drift]
+    assert report.ratio_interval(a_rounds, b_rounds) == (pytest.approx(1.1), pytest.approx(1.1))
+    assert all(math.isnan(x) for x in report.ratio_interval(a_rounds[:1], b_rounds[:1]))
+
+
 def test_ttft_phases_split_the_client_ttft_at_the_engine_client() -> None:
     records = [_rec(True, 0.2, ttft=0.05, stream=True), _rec(True, 0.2, ttft=0.07, stream=True), _rec(True, 0.3)]
     counters = {"vllm:time_to_first_token_seconds_sum": 0.12, "vllm:time_to_first_token_seconds_count": 3,
@@ -164,3 +183,14 @@ def test_the_compare_waits_for_a_spare_only_where_vlguard_keeps_one() -> None:
 
     assert keeps_spare(srv()) and keeps_spare(srv("--guard-spare", "on", VLGUARD_SPARE="off"))
     assert not keeps_spare(srv(VLGUARD_SPARE="off")) and not keeps_spare(srv("--guard-spare", "off"))
+
+
+def test_the_cache_scenario_runs_stock_twice_one_with_the_replay_safe_cache_plugin(tmp_path: Path) -> None:
+    from server.guard.replay_cache import ENV
+    from server.workload.compare import SCENARIOS, CompareOptions, system_server
+
+    opts = CompareOptions(model="m", scenario="cache", out=tmp_path)
+    safe, split = (system_server(system, opts) for system in SCENARIOS["cache"])
+    assert "vllm.entrypoints.openai.api_server" in " ".join(safe.argv) and " ".join(safe.argv) == " ".join(split.argv)
+    assert (safe.env["VLLM_PLUGINS"], safe.env[ENV]) == ("vlguard_replay_cache", "1")
+    assert split.env["VLLM_PLUGINS"] == "" and ENV not in split.env  # vLLM's own split cache
