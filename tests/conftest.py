@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny model (built once per session) and the real vlguard servers on it that
 integration, deployment and observability tests share (one per session, started right after collection
-when a collected test uses them, so that they boot while the unit and in-process API tests run).
+when a collected test uses them, so that they boot while the unit and in-process API tests run). The
+Docker engine tests' image is built from then on too (:mod:`tests.docker_image`).
 
 Every real-engine launch costs ~40 s on this machine, so each configuration is launched once:
 
@@ -15,11 +16,12 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.docker_image import ImageBuild
 from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire, vlguard_argv, wait_retired
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
@@ -47,11 +49,16 @@ def tiny_model() -> Path:
     return cached_tiny_model()
 
 
-def _launch(name: str, tiny_model: Path, logs: Path) -> ServerProcess:
-    """Start (do not wait for) the session server ``name``: ``server`` or ``eager_server``."""
-    if name == "server":
-        env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1")
-        return SharedServer(vlguard_argv(tiny_model), logs / "vlguard.log", env=env).start()
+#: Starts (does not wait for) a server: ``launcher(tiny_model, logs_dir)``.
+Launcher = Callable[[Path, Path], ServerProcess]
+
+
+def _launch_server(tiny_model: Path, logs: Path) -> ServerProcess:
+    env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1")
+    return SharedServer(vlguard_argv(tiny_model), logs / "vlguard.log", env=env).start()
+
+
+def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
     poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
     env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, **{SLOW_STEPS_ENV: str(logs / "slow-steps")})
     # A spare: the C5 kill test asserts the rebuild runs in it, and the step-fault tests rebuild too.
@@ -59,11 +66,24 @@ def _launch(name: str, tiny_model: Path, logs: Path) -> ServerProcess:
     return ServerProcess(argv, logs / "vlguard-eager.log", env=env).start()
 
 
-#: Session servers started as soon as collection shows that a test will use them: their start-up (25-50 s
-#: each, mostly single-threaded imports and compilation) then overlaps the unit and in-process API tests,
-#: which run first (``testpaths``), instead of adding to the run.
+#: Servers started as soon as collection shows that a test will use them: their start-up (25-50 s each, 90 s
+#: compiled; mostly single-threaded imports and compilation) then overlaps the unit and in-process API
+#: tests, which run first (``testpaths``), instead of adding to the run. Keys are fixture names, with
+#: ``[param]`` for a parametrized fixture; a test module declares its own servers' launchers in
+#: ``EARLY_LAUNCHERS``. In this order, and at most :data:`MAX_EARLY` of them with the Docker image build
+#: counted as one (its container): each idle server holds ~3 GB of the machine's 24 while the deployment
+#: tests run servers of their own.
+EARLY_ORDER = ("server", "eager_server", "compiled_stock", "padded_stock", "aligned_unpatched[chunked]")
+MAX_EARLY = 4
+_LAUNCHERS: dict[str, Launcher] = {"server": _launch_server, "eager_server": _launch_eager_server}
 _EARLY: dict[str, ServerProcess] = {}
-SESSION_SERVERS = ("server", "eager_server")
+#: vlguard's Docker image, likewise built from the end of collection when the Docker engine tests will run.
+_EARLY_IMAGE: list[ImageBuild] = []
+
+
+def early_image_build() -> ImageBuild | None:
+    """The image build started at the end of collection, if any (handed out once)."""
+    return _EARLY_IMAGE.pop() if _EARLY_IMAGE else None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -72,26 +92,49 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return  # nothing will run
     if session.testsfailed:
         return  # collection errors: pytest stops before running anything
-    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    wanted = [name for name in SESSION_SERVERS if name in used]
+    used: set[str] = set()
+    launchers = dict(_LAUNCHERS)
+    for item in session.items:
+        if _skipped(item):
+            continue
+        launchers.update(getattr(getattr(item, "module", None), "EARLY_LAUNCHERS", {}))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        used.update(f"{name}[{params[name]}]" if name in params else name for name in getattr(item, "fixturenames", ()))
+    factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+    budget = MAX_EARLY
+    if "vlguard_image" in used:
+        import vllm
+
+        _EARLY_IMAGE.append(ImageBuild.start(vllm.__version__, factory.mktemp("image") / "build.log"))
+        budget -= 1
+    wanted = [key for key in EARLY_ORDER if key in used and key in launchers][:budget]
     if wanted:
         from server.devmodel_cache import cached_tiny_model
 
-        factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
-        for name in wanted:
-            _EARLY[name] = _launch(name, cached_tiny_model(), factory.mktemp("logs"))
+        for key in wanted:
+            _EARLY[key] = launchers[key](cached_tiny_model(), factory.mktemp("logs"))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which tears down session fixtures on an interrupt
 def pytest_sessionfinish(session: pytest.Session) -> None:
     while _EARLY:  # started early but never used (e.g. the run stopped first)
         retire(_EARLY.popitem()[1])
+    while _EARLY_IMAGE:
+        _EARLY_IMAGE.pop().stop()
     wait_retired()  # every server a fixture retired is gone before pytest exits
 
 
-def _session_server(name: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    """The early-started server ``name`` (or a new one), waited for until ready."""
-    srv = _EARLY.pop(name, None) or _launch(name, tiny_model, tmp_path_factory.mktemp("logs"))
+def _skipped(item: pytest.Item) -> bool:
+    """Whether a ``skipif`` mark with a plain condition skips ``item`` (its fixtures will not be set up)."""
+    return any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif"))
+
+
+def early_server(
+    key: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, launcher: Launcher | None = None
+) -> ServerProcess:
+    """The early-started server ``key`` (see :data:`EARLY_ORDER`), or a new one from ``launcher`` (default:
+    the session servers' own), waited for until ready."""
+    srv = _EARLY.pop(key, None) or (launcher or _LAUNCHERS[key])(tiny_model, tmp_path_factory.mktemp("logs"))
     try:
         srv.wait_ready()
     except BaseException:
@@ -108,7 +151,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     from tests.integration.outputs import TEXT_PROMPT, greedy
 
-    srv = _session_server("server", tiny_model, tmp_path_factory)
+    srv = early_server("server", tiny_model, tmp_path_factory)
     try:
         assert isinstance(srv, SharedServer)
         with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
@@ -121,7 +164,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="session")
 def eager_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """``vlguard serve --enforce-eager`` (patches on) on the tiny model: the numerical reference."""
-    srv = _session_server("eager_server", tiny_model, tmp_path_factory)
+    srv = early_server("eager_server", tiny_model, tmp_path_factory)
     try:
         yield srv
     finally:

@@ -21,8 +21,10 @@ import pytest
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
+from tests.conftest import early_image_build
+from tests.docker_image import ImageBuild
 from tests.helpers import metric, poll
-from tests.servers import NO_COMPILE_WHEN_EAGER, REPO, ServerProcess, free_port
+from tests.servers import NO_COMPILE_WHEN_EAGER, ServerProcess, free_port
 
 #: The image's own HEALTHCHECK command, checked every 2 s here instead of 30 s (docker run's override of
 #: the interval only), so that ``healthy`` comes within seconds of the engine being up.
@@ -36,21 +38,15 @@ def docker(*args: str, timeout_s: float = 600) -> str:
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """vlguard's image built on the stand-in base of this lane (the base is cached between runs)."""
+def vlguard_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """vlguard's image built on the stand-in base of this lane (the base is cached between runs); the build
+    started at the end of collection (tests/conftest.py, :mod:`tests.docker_image`)."""
     import vllm
 
     if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
         pytest.fail("no Docker engine answers: run scripts/system-tools.sh as root (make test does)")
-    base = subprocess.run(
-        [str(REPO / "scripts" / "standin-base.sh"), vllm.__version__],
-        capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
-    assert base.returncode == 0, base.stderr[-3000:]
-    standin = base.stdout.split()[-1]
-    tag = f"vlguard-test:{vllm.__version__}"
-    docker("build", "--network", "host", "--build-arg", f"VLLM_IMAGE={standin}", "-t", tag, str(REPO))
-    return tag
+    build = early_image_build() or ImageBuild.start(vllm.__version__, tmp_path_factory.mktemp("image") / "build.log")
+    return build.wait()
 
 
 @dataclass
@@ -61,7 +57,9 @@ class ContainerServer(ServerProcess):
 
 
 @pytest.fixture(scope="module")
-def container(image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerServer]:
+def container(
+    vlguard_image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ContainerServer]:
     """Own launch (in a container): the image's entrypoint with the tiny model mounted read-only, on a
     loopback port."""
     port = free_port()
@@ -70,7 +68,7 @@ def container(image: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFac
     docker(
         "run", "-d", "--name", name, "--network", "host", "--health-interval", HEALTH_INTERVAL,
         "-v", f"{tiny_model}:/models/tiny:ro", *[f"-e{k}={v}" for k, v in env.items()],
-        image, "--model", "/models/tiny", "--config", "/opt/vlguard/config/tiny-cpu.yaml", "--enforce-eager",
+        vlguard_image, "--model", "/models/tiny", "--config", "/opt/vlguard/config/tiny-cpu.yaml", "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
     )  # fmt: skip
     log = tmp_path_factory.mktemp("logs") / "container.log"

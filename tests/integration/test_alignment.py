@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from tests.conftest import early_server
 from tests.integration.outputs import assert_same, greedy, two_pass_workload
 from tests.servers import ServerProcess, engine_env, metric_samples, retire, vlguard_argv
 
@@ -30,6 +31,24 @@ CHUNKING = {
 }
 
 
+def _launcher(chunking: str) -> Callable[[Path, Path], ServerProcess]:
+    """Alignment on (default), deepstack patches off, padding emulated, every step recorded by the test plugin
+    in ``steps.jsonl`` beside the log. Eager: without the patches the compiled model drops deepstack (the
+    other bug)."""
+
+    def launch(tiny_model: Path, logs: Path) -> ServerProcess:
+        env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1", VLGUARD_TEST_STEP_LOG=str(logs / "steps.jsonl"))
+        argv = vlguard_argv(tiny_model, "--guard-patches", "off", "--guard-alignment-max-capture-size", "512",
+                            "--enforce-eager", *CHUNKING[chunking])  # fmt: skip
+        return ServerProcess(argv, logs / "server.log", env=env).start()
+
+    return launch
+
+
+# tests/conftest.py starts them after collection (the chunked one where its budget allows)
+EARLY_LAUNCHERS = {f"aligned_unpatched[{chunking}]": _launcher(chunking) for chunking in CHUNKING}
+
+
 # Unchunked (CASES C2) on the default lane only: one launch fewer on the others (alignment's code path is
 # the same; the scheduler's budget is what differs).
 @pytest.fixture(
@@ -39,17 +58,11 @@ CHUNKING = {
 def aligned_unpatched(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServerProcess, Path]]:
-    """Own launch per chunking mode (patches off and a step log: no other test's configuration).
-    Alignment on (default), deepstack patches off, padding emulated, every step recorded by the
-    test plugin (the log path is the second item). Eager: without the patches the compiled model drops
-    deepstack (the other bug)."""
-    logs = tmp_path_factory.mktemp(f"aligned-{request.param}")
-    step_log = logs / "steps.jsonl"
-    env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1", VLGUARD_TEST_STEP_LOG=str(step_log))
-    argv = vlguard_argv(tiny_model, "--guard-patches", "off", "--guard-alignment-max-capture-size", "512",
-                        "--enforce-eager", *CHUNKING[request.param])  # fmt: skip
-    srv = ServerProcess(argv, logs / "server.log", env=env).start().wait_ready()
-    yield srv, step_log
+    """Own launch per chunking mode (patches off and a step log: no other test's configuration), with the
+    path of its step log."""
+    key = f"aligned_unpatched[{request.param}]"
+    srv = early_server(key, tiny_model, tmp_path_factory, EARLY_LAUNCHERS[key])
+    yield srv, srv.log_path.parent / "steps.jsonl"
     retire(srv)
 
 

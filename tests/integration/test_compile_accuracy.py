@@ -17,21 +17,12 @@ import pytest
 from openai import OpenAI
 
 from server.patches.deepstack import EMPTY_BUFFER
+from tests.conftest import early_server
 from tests.integration.outputs import IMAGE_PROMPTS, TEXT_PROMPT, Greedy, assert_same, greedy
 from tests.lanes import expected_patches, has_defect
 from tests.servers import ServerProcess, SharedServer, retire, vlguard_argv
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
-
-
-def _serve(tiny_model: Path, tmp: pytest.TempPathFactory, name: str, *flags: str) -> Iterator[OpenAI]:
-    srv = ServerProcess(vlguard_argv(tiny_model, *flags), tmp.mktemp("logs") / f"{name}.log").start()
-    try:
-        srv.wait_ready()
-        with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            yield client
-    finally:
-        retire(srv)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +34,22 @@ def eager_reference(eager_server: ServerProcess, model_name: str) -> dict[str, G
     return out
 
 
+def _launch_compiled_stock(tiny_model: Path, logs: Path) -> ServerProcess:
+    return ServerProcess(vlguard_argv(tiny_model, "--guard-patches", "off"), logs / "compiled-stock.log").start()
+
+
+EARLY_LAUNCHERS = {"compiled_stock": _launch_compiled_stock}  # tests/conftest.py starts it after collection
+
+
 @pytest.fixture(scope="module")
 def compiled_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
     """Own launch: patches off and compiled (stock behaviour), a configuration no other test uses."""
-    yield from _serve(tiny_model, tmp_path_factory, "compiled-stock", "--guard-patches", "off")
+    srv = early_server("compiled_stock", tiny_model, tmp_path_factory, _launch_compiled_stock)
+    try:
+        with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            yield client
+    finally:
+        retire(srv)
 
 
 # Where upstream fixed the defect, vlguard activates no patch, so the session's compiled server runs vLLM's

@@ -16,6 +16,7 @@ import pytest
 from openai import OpenAI
 
 from server.patches.deepstack import EMPTY_BUFFER, PADDED_READ
+from tests.conftest import early_server
 from tests.integration.outputs import IMAGE_PROMPTS, assert_same, greedy, two_pass_workload
 from tests.lanes import VLLM_VERSION, expected_patches, has_defect
 from tests.servers import ServerProcess, engine_env, metric_samples, retire, vlguard_argv
@@ -24,10 +25,6 @@ pytestmark = pytest.mark.lane  # in every engine lane's focused suite
 
 PADDING = {"VLGUARD_TEST_EMULATE_PADDING": "1"}
 CRASH = "Requested more deepstack tokens than available in buffer"
-
-
-def _start(tiny_model: Path, log: Path, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(vlguard_argv(tiny_model, *flags), log, env=engine_env(**(env or {}))).start().wait_ready()
 
 
 def samples(srv: ServerProcess) -> dict[str, float]:
@@ -39,12 +36,19 @@ def _client(srv: ServerProcess) -> OpenAI:
     return OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _launch_padded_stock(tiny_model: Path, logs: Path) -> ServerProcess:
+    argv = vlguard_argv(tiny_model, "--guard-patches", "off", "--guard-alignment", "off", "--enforce-eager")
+    return ServerProcess(argv, logs / "padded-stock.log", env=engine_env(**PADDING)).start()
+
+
+EARLY_LAUNCHERS = {"padded_stock": _launch_padded_stock}  # tests/conftest.py starts it after collection
+
+
 @pytest.fixture(scope="module")
 def padded_stock(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Patches and alignment off, padding emulated: behaves like stock vLLM on a GPU. Own launch: on
     0.20.0 its first image steps raise the deepstack ValueError, so no other test can share it."""
-    srv = _start(tiny_model, tmp_path_factory.mktemp("logs") / "padded-stock.log", "--guard-patches", "off",
-                 "--guard-alignment", "off", "--enforce-eager", env=PADDING)  # fmt: skip
+    srv = early_server("padded_stock", tiny_model, tmp_path_factory, _launch_padded_stock)
     yield srv
     retire(srv)
 
