@@ -154,7 +154,7 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
     if "throughput_ratio_ci90" in result:
         (t_lo, t_hi), (d_lo, d_hi) = result["throughput_ratio_ci90"], result["ttft_p50_diff_ci90_ms"]
         print(
-            f"90 % bootstrap intervals: throughput ratio {t_lo:.3f} to {t_hi:.3f} (rounds resampled in pairs), "
+            f"90 % bootstrap intervals (rounds resampled in pairs): throughput ratio {t_lo:.3f} to {t_hi:.3f}, "
             f"TTFT p50 difference {d_lo:+.1f} to {d_hi:+.1f} ms"
         )
     for name, roles in result.get("cpu_ms_per_request", {}).items():

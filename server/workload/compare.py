@@ -192,6 +192,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
     cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
     round_ratios: list[float] = []
     per_round: dict[str, list[tuple[float, float]]] = {a: [], b: []}  # (tokens, wall seconds) of each round
+    ttft_rounds: dict[str, list[list[float]]] = {a: [], b: []}  # the streamed requests' TTFTs of each round
     with _running(opts) as servers:
         before: dict[str, dict[str, float]] = {}
         for rnd in range(-opts.warmup, opts.rounds):
@@ -209,6 +210,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
                     records[name] += res.records
                     wall[name] += res.wall_s
                     per_round[name].append((rate[name] * res.wall_s, res.wall_s))
+                    ttft_rounds[name].append(_ttfts(res.records))
             if rnd >= 0:
                 round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
         deltas = {}
@@ -224,7 +226,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
         # How far the two headline figures can be trusted on this machine (90 % bootstrap intervals).
         "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b]),
-        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(_ttfts(records[a]), _ttfts(records[b])),
+        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(ttft_rounds[a], ttft_rounds[b]),
         "counters": {n: {k: v for k, v in d.items() if not k.startswith(PHASE_SAMPLES)} for n, d in deltas.items()},
         # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
         # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).

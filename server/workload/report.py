@@ -49,23 +49,36 @@ def summarize(records: Iterable[Record], wall_s: float) -> dict[str, Any]:
 
 
 def p50_diff_interval_ms(
-    a_s: Sequence[float], b_s: Sequence[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+    a_rounds: Sequence[Sequence[float]],
+    b_rounds: Sequence[Sequence[float]],
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
 ) -> tuple[float, float]:
     """Bootstrap interval of ``p50(a) - p50(b)`` in ms: how far a run's TTFT p50 difference can be trusted.
 
+    Rounds are resampled in pairs (a round's two runs together, as in :func:`ratio_interval`), so the
+    interval carries the round-to-round drift of the machine, not only the spread within a round; each
+    resample's p50s are taken over the chosen rounds' samples.
+
     Arguments:
-        a_s, b_s: the two systems' samples, seconds (each resampled on its own, with replacement).
+        a_rounds, b_rounds: each round's samples of the two systems, seconds, in the same round order.
         level: the interval's coverage (0.9: from the 5th to the 95th percentile of the resampled differences).
 
     Returns:
-        ``(low, high)`` ms; NaNs when either side has fewer than 2 samples.
+        ``(low, high)`` ms; NaNs with fewer than 2 rounds or no samples on a side.
     """
-    if len(a_s) < 2 or len(b_s) < 2:
+    if len(a_rounds) < 2 or len(a_rounds) != len(b_rounds):
         return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    a, b = np.asarray(a_s) * 1000.0, np.asarray(b_s) * 1000.0
-    p50_a = np.median(rng.choice(a, (resamples, a.size)), axis=1)
-    diffs = p50_a - np.median(rng.choice(b, (resamples, b.size)), axis=1)
+    a = [np.asarray(r, dtype=float) * 1000.0 for r in a_rounds]
+    b = [np.asarray(r, dtype=float) * 1000.0 for r in b_rounds]
+    diffs = []
+    for pick in np.random.default_rng(seed).integers(0, len(a), (resamples, len(a))):
+        xa, xb = np.concatenate([a[i] for i in pick]), np.concatenate([b[i] for i in pick])
+        if xa.size and xb.size:
+            diffs.append(float(np.median(xa) - np.median(xb)))
+    if not diffs:
+        return math.nan, math.nan
     tail = 50.0 * (1.0 - level)
     low, high = np.percentile(diffs, (tail, 100.0 - tail))
     return float(low), float(high)

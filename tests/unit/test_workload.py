@@ -113,17 +113,23 @@ def test_ratios_divide_a_by_b_and_survive_empty_samples() -> None:
     assert math.isnan(report.ratios(fast, empty)["ttft_p50"])
 
 
-def test_intervals_cover_the_point_estimate_and_narrow_with_more_samples() -> None:
+def test_intervals_cover_the_point_estimate_and_carry_the_drift_between_rounds() -> None:
     import numpy as np
 
     rng = np.random.default_rng(1)
-    a, b = 0.100 + 0.05 * rng.random(40), 0.090 + 0.05 * rng.random(40)
-    low, high = report.p50_diff_interval_ms(list(a), list(b))
-    point = 1000 * (np.median(a) - np.median(b))
+    a = [list(0.100 + 0.05 * rng.random(8)) for _ in range(6)]
+    b = [list(0.090 + 0.05 * rng.random(8)) for _ in range(6)]
+    low, high = report.p50_diff_interval_ms(a, b)
+    point = 1000 * (np.median(np.concatenate(a)) - np.median(np.concatenate(b)))
     assert low < point < high
-    more = report.p50_diff_interval_ms(list(np.tile(a, 16)), list(np.tile(b, 16)))
-    assert more[1] - more[0] < (high - low) / 2
-    assert all(math.isnan(x) for x in report.p50_diff_interval_ms([0.1], list(b)))
+    # A drift that hits both runs of a round alike barely widens it; one that hits one side does.
+    drift = [0.0, 0.05, -0.03, 0.08, 0.02, -0.05]
+    shared = report.p50_diff_interval_ms([[x + d for x in r] for r, d in zip(a, drift, strict=True)],
+                                         [[x + d for x in r] for r, d in zip(b, drift, strict=True)])  # fmt: skip
+    one_sided = report.p50_diff_interval_ms([[x + d for x in r] for r, d in zip(a, drift, strict=True)], b)
+    assert one_sided[1] - one_sided[0] > 2 * (shared[1] - shared[0])
+    assert all(math.isnan(x) for x in report.p50_diff_interval_ms(a[:1], b[:1]))
+    assert all(math.isnan(x) for x in report.p50_diff_interval_ms([[], []], [[0.1], [0.2]]))
     # Throughput: paired rounds; a round's drift hits both sides, so the ratio stays tight.
     drift = [1.0, 0.5, 2.0, 0.8, 1.5]
     a_rounds = [(1100.0 * d, 1.0) for d in drift]
