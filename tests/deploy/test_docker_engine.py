@@ -22,7 +22,7 @@ import pytest
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
 from tests.conftest import early_image_build
-from tests.docker_image import ImageBuild
+from tests.docker_image import ImageBuild, docker_answers
 from tests.helpers import metric, poll
 from tests.servers import NO_COMPILE_WHEN_EAGER, ServerProcess, free_port
 
@@ -43,7 +43,7 @@ def vlguard_image(tmp_path_factory: pytest.TempPathFactory) -> str:
     started at the end of collection (tests/conftest.py, :mod:`tests.docker_image`)."""
     import vllm
 
-    if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
+    if not docker_answers():
         pytest.fail("no Docker engine answers: run scripts/system-tools.sh as root (make test does)")
     build = early_image_build() or ImageBuild.start(vllm.__version__, tmp_path_factory.mktemp("image") / "build.log")
     return build.wait()
