@@ -72,19 +72,11 @@ def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
 #: ``[param]`` for a parametrized fixture; a test module declares its own servers' launchers in
 #: ``EARLY_LAUNCHERS``. In this order, and at most :data:`MAX_EARLY` of them with the Docker image build
 #: counted as one (its container): each idle server holds ~3 GB of the machine's 24 while the deployment
-#: tests run servers of their own. The module servers not started then start one module ahead instead
-#: (:data:`_AHEAD`): a module's first server when the module before it begins, its next one when a test
-#: takes the one before.
+#: tests run servers of their own.
 EARLY_ORDER = ("server", "eager_server", "compiled_stock", "padded_stock", "aligned_unpatched[chunked]")
 MAX_EARLY = 4
 _LAUNCHERS: dict[str, Launcher] = {"server": _launch_server, "eager_server": _launch_eager_server}
 _EARLY: dict[str, ServerProcess] = {}
-#: Module servers (``EARLY_LAUNCHERS``) the run will use and that were not started after collection, in
-#: the order of their first use, with the test module that uses them.
-_AHEAD: dict[str, tuple[Launcher, Path]] = {}
-_KEY_MODULES: dict[str, Path] = {}  # every module server's key -> the module that uses it
-_MODULES: list[Path] = []  # test modules in run order
-_current_module: list[Path] = []
 #: vlguard's Docker image, likewise built from the end of collection when the Docker engine tests will run.
 _EARLY_IMAGE: list[ImageBuild] = []
 
@@ -94,39 +86,20 @@ def early_image_build() -> ImageBuild | None:
     return _EARLY_IMAGE.pop() if _EARLY_IMAGE else None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Integration modules that do not use the compiled session ``server`` run before those that do, each
-    module whole (its module servers start once): that server's start-up (compilation, 90-150 s on 2 cores
-    beside the fast half and the other early servers) then overlaps their tests instead of delaying the
-    first module that needs it. The order among either kind stays the files' order."""
-    where = [i for i, item in enumerate(items) if item.path.parent.name == "integration"]
-    if not where:
-        return
-    first, last = where[0], where[-1] + 1
-    modules: dict[Path, list[pytest.Item]] = {}
-    for item in items[first:last]:
-        modules.setdefault(item.path, []).append(item)
-    groups = sorted(modules.values(), key=lambda its: any("server" in getattr(i, "fixturenames", ()) for i in its))
-    items[first:last] = [item for group in groups for item in group]
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     option = session.config.option
     if option.collectonly or option.setupplan or option.showfixtures or option.show_fixtures_per_test:
         return  # nothing will run
     if session.testsfailed:
         return  # collection errors: pytest stops before running anything
-    used: dict[str, Path] = {}  # key -> the module that uses it first, in the order of first use
+    used: set[str] = set()
     launchers = dict(_LAUNCHERS)
     for item in session.items:
-        if item.path not in _MODULES:
-            _MODULES.append(item.path)
         if _skipped(item):
             continue
         launchers.update(getattr(getattr(item, "module", None), "EARLY_LAUNCHERS", {}))
         params = getattr(getattr(item, "callspec", None), "params", {})
-        for name in getattr(item, "fixturenames", ()):
-            used.setdefault(f"{name}[{params[name]}]" if name in params else name, item.path)
+        used.update(f"{name}[{params[name]}]" if name in params else name for name in getattr(item, "fixturenames", ()))
     factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
     budget = MAX_EARLY
     if "vlguard_image" in used and docker_answers():  # else the fixture fails at once, saying why
@@ -140,28 +113,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
         for key in wanted:
             _EARLY[key] = launchers[key](cached_tiny_model(), factory.mktemp("logs"))
-    _KEY_MODULES.update((key, module) for key, module in used.items() if key in launchers and key not in _LAUNCHERS)
-    _AHEAD.update((key, (launchers[key], module)) for key, module in _KEY_MODULES.items() if key not in wanted)
-
-
-def _start_ahead(module: Path, tiny_model: Path, factory: pytest.TempPathFactory) -> None:
-    """Start the first not yet started module server that ``module`` uses, if any."""
-    key = next((k for k, (_, m) in _AHEAD.items() if m == module), None)
-    if key is not None:
-        _EARLY[key] = _AHEAD.pop(key)[0](tiny_model, factory.mktemp("logs"))
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """When a test module begins, the next module's first server starts (see :data:`_AHEAD`)."""
-    if _current_module[-1:] == [item.path] or not _AHEAD:
-        return
-    _current_module[:] = [item.path]
-    following = _MODULES[_MODULES.index(item.path) + 1 :][:1]
-    if following:
-        from server.devmodel_cache import cached_tiny_model
-
-        factory: pytest.TempPathFactory = item.config._tmp_path_factory  # type: ignore[attr-defined]
-        _start_ahead(following[0], cached_tiny_model(), factory)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which tears down session fixtures on an interrupt
@@ -182,11 +133,8 @@ def early_server(
     key: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, launcher: Launcher | None = None
 ) -> ServerProcess:
     """The early-started server ``key`` (see :data:`EARLY_ORDER`), or a new one from ``launcher`` (default:
-    the session servers' own), waited for until ready. Taking a module server starts the next one ahead."""
-    _AHEAD.pop(key, None)
+    the session servers' own), waited for until ready."""
     srv = _EARLY.pop(key, None) or (launcher or _LAUNCHERS[key])(tiny_model, tmp_path_factory.mktemp("logs"))
-    if key in _KEY_MODULES:  # the module's next server, if it has one
-        _start_ahead(_KEY_MODULES[key], tiny_model, tmp_path_factory)
     try:
         srv.wait_ready()
     except BaseException:
