@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.conftest import early_server
+from tests.conftest import Launcher, early_server
 from tests.integration.outputs import assert_same, greedy, two_pass_workload
 from tests.servers import ServerProcess, engine_env, metric_samples, retire, vlguard_argv
 
@@ -31,7 +31,7 @@ CHUNKING = {
 }
 
 
-def _launcher(chunking: str) -> Callable[[Path, Path], ServerProcess]:
+def _launcher(chunking: str) -> Launcher:
     """Alignment on (default), deepstack patches off, padding emulated, every step recorded by the test plugin
     in ``steps.jsonl`` beside the log. Eager: without the patches the compiled model drops deepstack (the
     other bug)."""
