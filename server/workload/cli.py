@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -144,6 +145,22 @@ def twopass(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
+def trace_table(a: str, b: str, pa: dict[str, dict[str, float]], pb: dict[str, dict[str, float]]) -> str:
+    """The TTFT phase by phase of both systems (``report.trace_phases_ms``): p50 and mean, ms, and A - B."""
+    nan = {"p50": math.nan, "mean": math.nan, "n": 0}
+    rows = [
+        f"{'TTFT phase (streamed requests)':30} {a + ' p50':>13} {b + ' p50':>13} {'diff':>7} "
+        f"{a + ' mean':>13} {b + ' mean':>13} {'diff':>7}"
+    ]
+    for name in [*pa, *(n for n in pb if n not in pa)]:
+        x, y = pa.get(name, nan), pb.get(name, nan)
+        rows.append(
+            f"{name:30} {x['p50']:13.2f} {y['p50']:13.2f} {x['p50'] - y['p50']:+7.2f} "
+            f"{x['mean']:13.2f} {y['mean']:13.2f} {x['mean'] - y['mean']:+7.2f}"
+        )
+    return "\n".join(rows)
+
+
 def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
     r = result["ratios"]
     print(
@@ -161,6 +178,8 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
         print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
     for name, phases in result.get("ttft_phases_ms", {}).items():
         print(f"{name} TTFT phases, mean ms: " + ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases.items()))
+    if traced := result.get("ttft_trace_ms"):
+        print(trace_table(a, b, traced[a], traced[b]))
     served = {name: n for name, n in result.get("engine_requests", {}).items() if n is not None}
     if served:
         print(

@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from server.workload import generator, report
+from server.workload import generator, phase_trace, report
 from server.workload.servers import ServerProcess, engine_env, metric_samples, stock_command, vlguard_command
 
 
@@ -110,17 +110,26 @@ class CompareOptions:
     ready_timeout_s: float = 900.0
 
 
+def trace_path(system: System, opts: CompareOptions) -> Path:
+    """Where the server of ``system`` writes its phase trace (:mod:`server.workload.phase_trace`)."""
+    return opts.out / f"compare-{opts.scenario}-{system.name}-trace.jsonl"
+
+
 def system_server(
     system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str | None = None
 ) -> ServerProcess:
-    """The (not yet started) server of one side. ``extra_env`` goes to every side; ``stock_plugins`` is the
-    stock server's ``VLLM_PLUGINS`` (default ``system.stock_plugins``, itself none by default: vlguard's
-    plugins, installed in the same environment, stay out of stock)."""
+    """The (not yet started) server of one side, its phase tracer on (:func:`trace_path`). ``extra_env``
+    goes to every side; ``stock_plugins`` is the stock server's ``VLLM_PLUGINS`` besides the tracer
+    (default ``system.stock_plugins``, itself none by default: vlguard's plugins, installed in the same
+    environment, stay out of stock)."""
     log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
     log.write_bytes(b"")
-    extra_env = {**dict(system.env), **(extra_env or {})}
+    trace = trace_path(system, opts)
+    trace.write_bytes(b"")
+    extra_env = {**dict(system.env), phase_trace.ENV: str(trace), **(extra_env or {})}
     if system.stock:
         plugins = system.stock_plugins if stock_plugins is None else stock_plugins
+        plugins = ",".join(p for p in (plugins, "vlguard_phase_trace") if p)  # both sides traced alike
         env = engine_env(VLLM_PLUGINS=plugins, **extra_env)
         return ServerProcess(stock_command(opts.model, *opts.serve_args), log, env=env, ready_path="/health")
     args = [*opts.serve_args, *system.guard_args]
@@ -170,6 +179,7 @@ def _measure(
                 first_pair=first_pair,
                 concurrency=opts.concurrency,
                 progress=opts.progress,
+                trace=True,
             )
         )
     finally:
@@ -236,6 +246,11 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         },
         # Where the time to first token goes, mean ms per request (vLLM's own histograms, report.phases_ms).
         "ttft_phases_ms": {name: report.phases_ms(records[name], deltas.get(name, {})) for name in (a, b)},
+        # The streamed requests' TTFT phase by phase, stamped in both servers (report.trace_phases_ms).
+        "ttft_trace_ms": {
+            name: report.trace_phases_ms(records[name], phase_trace.read(trace_path(system, opts)))
+            for name, system in zip((a, b), SCENARIOS[opts.scenario], strict=True)
+        },
         # Requests each engine served in those rounds: the client's plus the server's own (probes).
         "engine_requests": {n: deltas.get(n, {}).get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
         "records": records,

@@ -26,6 +26,7 @@ from typing import Any
 import openai
 from tqdm import tqdm
 
+from server.workload import phase_trace
 from server.workload.images import PHOTOS, data_uri, folder_images, photo_bytes, resized_png
 from server.workload.twopass import PRIMARY_PROMPT, RESCUE_PROMPT, primary_messages, rescue_messages
 
@@ -103,6 +104,8 @@ class Record:
     error: str | None = None  # None, "http_<status>", "connection", "timeout", "stream_error" or a type
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    trace_id: str | None = None  # sent as X-Request-Id (see server.workload.phase_trace)
+    sent_at: float = 0.0  # time.monotonic() when the request was sent (one clock with the servers' traces)
 
 
 @dataclass
@@ -128,13 +131,14 @@ def error_kind(exc: BaseException) -> str:
 async def _request(
     client: openai.AsyncOpenAI, model: str, messages: list[dict[str, Any]], stream: bool, max_tokens: int, rec: Record
 ) -> None:
-    started = time.monotonic()
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     extra = {"ignore_eos": True}  # fixed output length: comparable work per request
+    headers = {"X-Request-Id": rec.trace_id} if rec.trace_id else None
+    started = rec.sent_at = time.monotonic()
     try:
         if stream:
             chunks = await client.chat.completions.create(
-                **body, stream=True, stream_options={"include_usage": True}, extra_body=extra
+                **body, stream=True, stream_options={"include_usage": True}, extra_body=extra, extra_headers=headers
             )
             async for chunk in chunks:
                 if rec.ttft_s is None and chunk.choices and chunk.choices[0].delta.content:
@@ -142,7 +146,7 @@ async def _request(
                 if chunk.usage is not None:
                     rec.prompt_tokens, rec.completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
         else:
-            resp = await client.chat.completions.create(**body, extra_body=extra)
+            resp = await client.chat.completions.create(**body, extra_body=extra, extra_headers=headers)
             if resp.usage is not None:
                 rec.prompt_tokens, rec.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
         rec.ok = True
@@ -164,12 +168,14 @@ async def run(
     timeout_s: float = 600.0,
     progress: bool = True,
     on_record: Callable[[Record], None] | None = None,
+    trace: bool = False,
 ) -> RunResult:
     """Send pairs ``first_pair, first_pair + 1, ...`` to the server at ``base_url`` (``http://host:port``).
 
     Stops starting pairs after ``pairs`` of them or ``duration_s`` seconds (at least one must be given);
     pairs in flight finish. ``on_record`` is called with each finished request (e.g. to kill the engine
-    after N successes). Raises ``ValueError`` when neither bound is given.
+    after N successes). With ``trace``, each request carries an ``X-Request-Id`` the servers' phase
+    tracer recognises (:mod:`server.workload.phase_trace`). Raises ``ValueError`` when neither bound is given.
     """
     if pairs is None and duration_s is None:
         raise ValueError("give pairs or duration_s")
@@ -198,6 +204,7 @@ async def run(
                     ("rescue", pair.rescue, pair.stream[1]),
                 ):
                     rec = Record(pair.index, kind, stream, time.monotonic() - result.started_at, 0.0)
+                    rec.trace_id = phase_trace.trace_id() if trace else None
                     await _request(client, served, messages, stream, plan.config.max_tokens, rec)
                     result.records.append(rec)
                     bar.update(1)

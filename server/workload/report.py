@@ -160,6 +160,53 @@ def phases_ms(records: Iterable[Record], counters: dict[str, float]) -> dict[str
     return out
 
 
+#: A streamed request's time to first token, phase by phase, as both servers' phase tracers stamp it
+#: (:mod:`server.workload.phase_trace`; ``client`` and ``first_token`` are the bench client's): name, from,
+#: to. Consecutive: they add up to the client's TTFT.
+TRACE_PHASES = (
+    ("connect", "client", "asgi"),  # connection, HTTP parsing, waiting for the server's event loop
+    ("door", "asgi", "handler"),  # middleware (vlguard's input checks and admission), body, request model
+    ("render", "handler", "rendered"),  # chat template, images: Hugging Face preprocessing or a cache hit
+    ("submit", "rendered", "submit"),  # sampling parameters, the response's start, an engine client's wrapper
+    ("engine", "submit", "output"),  # engine input, the engine core (queue, prefill), output processing
+    ("serve", "output", "chunk"),  # detokenized text into the first chunk with content
+    ("respond", "chunk", "sent"),  # the chunk's way out through the middleware to the HTTP server
+    ("deliver", "sent", "first_token"),  # the socket and the client's parsing
+)
+#: vlguard's engine client within ``submit`` and ``serve`` (points only vlguard's tracer stamps)
+GUARD_TRACE_PHASES = (
+    ("submit: to vlguard's client", "rendered", "guard"),
+    ("submit: vlguard's client", "guard", "submit"),
+    ("serve: vlguard's client", "output", "guard_out"),
+)
+
+
+def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Each :data:`TRACE_PHASES` (and :data:`GUARD_TRACE_PHASES`) phase of the streamed, successful
+    requests: ``{phase: {"p50": ms, "mean": ms, "n": requests}}``; a phase no request has both points of is
+    left out.
+
+    Arguments:
+        records: the measured requests (their ``trace_id``, ``sent_at`` and ``ttft_s``).
+        events: one server's trace, ``{trace id: {point: monotonic seconds}}``
+            (:func:`server.workload.phase_trace.read`).
+    """
+    spans: dict[str, list[float]] = {}
+    for rec in records:
+        points = events.get(rec.trace_id or "")
+        if not (rec.ok and rec.stream and rec.ttft_s is not None and points):
+            continue
+        points = {**points, "client": rec.sent_at, "first_token": rec.sent_at + rec.ttft_s}
+        for name, start, end in (*TRACE_PHASES, *GUARD_TRACE_PHASES):
+            if start in points and end in points:
+                spans.setdefault(name, []).append(1000.0 * (points[end] - points[start]))
+    return {
+        name: {"p50": float(np.median(spans[name])), "mean": float(np.mean(spans[name])), "n": len(spans[name])}
+        for name, _, _ in (*TRACE_PHASES, *GUARD_TRACE_PHASES)
+        if name in spans
+    }
+
+
 def table(summaries: dict[str, dict[str, Any]]) -> str:
     """A fixed-width text table, one row per named summary."""
     head = (

@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
+from server.workload import report
 from tests.servers import NO_COMPILE_WHEN_EAGER, NO_SPARE, REPO, TINY_PROFILE, ServerProcess
 
 
@@ -76,4 +78,14 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
         assert data["cpu_ms_per_request"][side]["api"] > 0 and data["cpu_ms_per_request"][side]["engine_core"] > 0
         phases = data["ttft_phases_ms"][side]  # vLLM's TTFT histograms counted the measured requests
         assert phases["vllm_ttft"] > 0 and phases["prefill"] > 0 and math.isfinite(phases["front"]), phases
+        # #16: both servers' tracers stamped every point of every streamed request, in order, and the
+        # phases add up to the client's TTFT
+        traced = data["ttft_trace_ms"][side]
+        assert [name for name, _, _ in report.TRACE_PHASES] == list(traced)[: len(report.TRACE_PHASES)], traced
+        assert len({t["n"] for t in traced.values()}) == 1 and all(t["p50"] >= 0 for t in traced.values()), traced
+        total = sum(traced[name]["mean"] for name, _, _ in report.TRACE_PHASES)
+        assert total == pytest.approx(phases["client_ttft"], abs=0.01), (total, phases)
+        guard = [name for name, _, _ in report.GUARD_TRACE_PHASES]
+        assert all(name in traced for name in guard) == (side == "vlguard"), traced
+    assert "TTFT phase (streamed requests)" in proc.stdout
     _assert_png(tmp_path / "compare-overhead-latency.png")

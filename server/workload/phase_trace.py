@@ -1,0 +1,243 @@
+"""Per-request TTFT phases in either server's API process (vLLM plugin ``vlguard_phase_trace``, bench only).
+
+``vlguard bench compare`` starts both servers (stock vLLM and vlguard) with ``VLGUARD_PHASE_TRACE=<file>``
+and sends every request with an ``X-Request-Id`` from :func:`trace_id`. In the API process (the one
+without a multiprocessing parent; engine processes are left alone) the plugin wraps, at class level, the
+points a chat request passes through and appends one JSON line ``{"id", "point", "t"}`` per request and
+point to the file:
+
+=============  =====================================================================================
+point          stamped when
+=============  =====================================================================================
+``asgi``       the FastAPI application is called for the request (uvicorn has parsed its headers)
+``handler``    vLLM's chat handler starts (``OpenAIServingChat.create_chat_completion``): the body is
+               read, every middleware passed, the request model validated
+``rendered``   vLLM's renderer returns (chat template, image loading and Hugging Face preprocessing
+               or a processor-cache hit)
+``guard``      vlguard's engine client starts the request (vlguard only)
+``submit``     ``AsyncLLM.generate`` starts the request (engine input, then the engine core)
+``output``     ``AsyncLLM.generate`` yields its first output
+``guard_out``  vlguard's engine client yields its first output (vlguard only)
+``chunk``      the chat stream generator yields its first chunk with content
+``sent``       the first response body with content is handed to the HTTP server (``send``)
+=============  =====================================================================================
+
+Times are ``time.monotonic()`` seconds: CLOCK_MONOTONIC, one clock for every process of the machine, so
+the bench client's send and first-token times (:mod:`server.workload.generator`) line up with them. A
+point vLLM does not have under that name is skipped with a warning. The cost is a few microseconds a
+point, on both servers alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import IO, Any
+
+ENV = "VLGUARD_PHASE_TRACE"
+#: the points in request order (vlguard-only ones included)
+POINTS = ("asgi", "handler", "rendered", "guard", "submit", "output", "guard_out", "chunk", "sent")
+
+_ID = re.compile(r"phase-[0-9a-f]{16}")
+_CONTENT = re.compile(r'"content":"[^"]')  # a chunk whose delta has text (what the client times)
+_CONTENT_BYTES = re.compile(rb'"content":"[^"]')
+
+logger = logging.getLogger("vllm.vlguard.phase_trace")
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("vlguard_phase_trace_id", default=None)
+_sink: IO[str] | None = None
+
+
+def trace_id() -> str:
+    """A fresh request id the tracer recognises (send it as ``X-Request-Id``)."""
+    return "phase-" + secrets.token_hex(8)
+
+
+def request_id_of(*values: Any) -> str | None:
+    """The trace id in the first of ``values`` that carries one: a string (vLLM's request ids embed the
+    header's value), an object with ``headers`` (Starlette's request) or an ASGI scope."""
+    for value in values:
+        if isinstance(value, str):
+            found = _ID.search(value)
+        elif isinstance(value, dict) and "headers" in value:
+            header = dict(value["headers"]).get(b"x-request-id", b"")
+            found = _ID.search(header.decode("latin-1"))
+        elif (headers := getattr(value, "headers", None)) is not None and hasattr(headers, "get"):
+            found = _ID.search(headers.get("x-request-id") or "")
+        else:
+            continue
+        if found:
+            return found.group(0)
+    return None
+
+
+def stamp(rid: str | None, point: str) -> None:
+    """Append one point of request ``rid`` (nothing when the request is not traced)."""
+    if rid is not None and _sink is not None:
+        _sink.write(json.dumps({"id": rid, "point": point, "t": time.monotonic()}) + "\n")
+
+
+def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    return request_id_of(*args, *kwargs.values()) or _current.get()
+
+
+def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(call)
+    async def traced(app: Any, scope: Any, receive: Any, send: Any) -> None:
+        rid = request_id_of(scope) if scope.get("type") == "http" else None
+        if rid is None:
+            return await call(app, scope, receive, send)
+        stamp(rid, "asgi")
+        sent = False
+
+        async def traced_send(message: Any) -> None:
+            nonlocal sent
+            body = message.get("body", b"") if message.get("type") == "http.response.body" else b""
+            if not sent and _CONTENT_BYTES.search(body):
+                sent = True
+                stamp(rid, "sent")
+            await send(message)
+
+        token = _current.set(rid)
+        try:
+            return await call(app, scope, receive, traced_send)
+        finally:
+            _current.reset(token)
+
+    return traced
+
+
+def _traced_call(point_at_start: str | None, point_at_end: str | None) -> Callable[..., Any]:
+    def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        async def traced(*args: Any, **kwargs: Any) -> Any:
+            rid = _args_id(args, kwargs)
+            if point_at_start:
+                stamp(rid, point_at_start)
+            result = await call(*args, **kwargs)
+            if point_at_end:
+                stamp(rid, point_at_end)
+            return result
+
+        return traced
+
+    return wrap
+
+
+def _traced_stream(start: str | None, first: str, is_first: Callable[[Any], bool]) -> Callable[..., Any]:
+    def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        async def traced(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            rid = _args_id(args, kwargs)
+            if start:
+                stamp(rid, start)
+            pending = True
+            async with contextlib.aclosing(call(*args, **kwargs)) as items:
+                async for item in items:
+                    if pending and is_first(item):
+                        pending = False
+                        stamp(rid, first)
+                    yield item
+
+        return traced
+
+    return wrap
+
+
+def _any(output: Any) -> bool:
+    return True  # an engine client's first output, whatever it holds
+
+
+def _has_content(chunk: Any) -> bool:
+    return isinstance(chunk, str) and _CONTENT.search(chunk) is not None
+
+
+_SERVING = "vllm.entrypoints.openai.chat_completion.serving"
+#: (module, class, method, wrapper factory)
+_TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
+    ("fastapi", "FastAPI", "__call__", _traced_asgi),
+    (
+        _SERVING,
+        "OpenAIServingChat",
+        "create_chat_completion",
+        _traced_call("handler", None),
+    ),
+    (
+        _SERVING,
+        "OpenAIServingChat",
+        "render_chat_request",
+        _traced_call(None, "rendered"),
+    ),
+    ("vllm.v1.engine.async_llm", "AsyncLLM", "generate", _traced_stream("submit", "output", _any)),
+    (
+        _SERVING,
+        "OpenAIServingChat",
+        "chat_completion_stream_generator",
+        _traced_stream(None, "chunk", _has_content),
+    ),
+)
+#: vlguard's engine client, wrapped where vlguard serves (``server.cli`` runs it; stock vLLM never imports it)
+_GUARD_TARGET = (
+    "server.guard.engine_client",
+    "GuardedEngineClient",
+    "generate",
+    _traced_stream("guard", "guard_out", _any),
+)
+
+
+def install(path: str) -> list[str]:
+    """Wrap every point this process has and open ``path`` for appending. Idempotent.
+
+    Returns:
+        ``module.Class.method`` of each point wrapped.
+    """
+    global _sink
+    if _sink is not None:
+        return []
+    targets = list(_TARGETS)
+    if "server.cli" in sys.modules:
+        targets.append(_GUARD_TARGET)
+    wrapped = []
+    for module_name, class_name, method, factory in targets:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            original = cls.__dict__[method]
+        except (ImportError, AttributeError, KeyError):
+            logger.warning("vlguard phase trace: %s.%s.%s not found; not traced", module_name, class_name, method)
+            continue
+        setattr(cls, method, factory(original))
+        wrapped.append(f"{module_name}.{class_name}.{method}")
+    _sink = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    return wrapped
+
+
+def register() -> None:
+    """Plugin entry point: :func:`install` in the API process when ``VLGUARD_PHASE_TRACE`` names a file."""
+    path = os.environ.get(ENV)
+    if not path or multiprocessing.parent_process() is not None or _sink is not None:
+        return
+    try:
+        logger.info("vlguard: phase trace to %s (%s)", path, ", ".join(install(path)))
+    except Exception:
+        logger.exception("vlguard: phase trace not installed")
+
+
+def read(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
+    """A trace file as ``{request id: {point: first time}}`` (a replayed request keeps its first stamps)."""
+    events: dict[str, dict[str, float]] = {}
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                event = json.loads(line)
+                events.setdefault(event["id"], {}).setdefault(event["point"], event["t"])
+    return events

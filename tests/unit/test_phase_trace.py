@@ -1,0 +1,120 @@
+"""The bench's phase tracer (server/workload/phase_trace.py) and its report, on fakes of the traced points
+(the real points are traced in both real servers by ``vlguard bench compare``; its test checks the table)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.workload import phase_trace, report
+from server.workload.generator import Record
+
+
+@pytest.fixture
+def sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(phase_trace, "_sink", path.open("a", buffering=1, encoding="utf-8"))
+    return path
+
+
+def test_trace_ids_are_found_in_vllm_request_ids_headers_and_asgi_scopes() -> None:
+    rid = phase_trace.trace_id()
+
+    class Request:
+        def __init__(self) -> None:
+            self.headers = {"x-request-id": rid}
+
+    assert phase_trace.request_id_of(f"chatcmpl-{rid}-0a1b2c3d") == rid
+    assert phase_trace.request_id_of("model", Request()) == rid
+    assert phase_trace.request_id_of({"type": "http", "headers": [(b"x-request-id", rid.encode())]}) == rid
+    assert phase_trace.request_id_of("chatcmpl-abc", {"headers": []}, object()) is None
+
+
+async def test_the_asgi_point_and_the_first_content_body_sent_are_stamped_once(sink: Path) -> None:
+    rid = phase_trace.trace_id()
+    bodies = [b'data: {"delta":{"role":"assistant","content":""}}', b'data: {"delta":{"content":"Hi"}}', b"x"]
+
+    seen = []
+
+    async def app(_self: Any, scope: Any, receive: Any, send: Any) -> None:
+        seen.append(phase_trace._current.get())
+        await send({"type": "http.response.start", "status": 200})
+        for body in [*bodies, bodies[1]]:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "headers": [(b"x-request-id", rid.encode())]}
+    await phase_trace._traced_asgi(app)(None, scope, None, send)
+    await phase_trace._traced_asgi(app)(None, {"type": "http", "headers": []}, None, send)  # untraced
+    events = phase_trace.read(sink)
+    assert list(events) == [rid] and list(events[rid]) == ["asgi", "sent"]
+    assert len(sent) == 10 and phase_trace._current.get() is None
+    assert seen == [rid, None]  # what the app awaits sees the request's id
+
+
+async def test_a_stream_stamps_its_start_and_first_matching_item_and_closes_the_wrapped_one(sink: Path) -> None:
+    rid = phase_trace.trace_id()
+    closed = []
+
+    async def generate(_self: Any, prompt: str, params: Any, request_id: str) -> AsyncIterator[str]:
+        try:
+            for chunk in ('data: {"content":""}', 'data: {"content":"a"}', 'data: {"content":"b"}'):
+                yield chunk
+        finally:
+            closed.append(request_id)
+
+    traced = phase_trace._traced_stream("submit", "chunk", phase_trace._has_content)(generate)
+    items = traced(None, "prompt", None, f"chatcmpl-{rid}")
+    assert [await anext(items), await anext(items)] == ['data: {"content":""}', 'data: {"content":"a"}']
+    await items.aclose()  # the client went away: the wrapped stream is closed too (vLLM aborts there)
+    assert closed == [f"chatcmpl-{rid}"]
+    assert list(phase_trace.read(sink)[rid]) == ["submit", "chunk"]
+
+
+async def test_a_call_finds_the_id_of_the_request_it_serves_through_the_context(sink: Path) -> None:
+    rid = phase_trace.trace_id()
+
+    async def render(_self: Any, request: Any) -> str:
+        return "rendered"
+
+    token = phase_trace._current.set(rid)
+    try:
+        assert await phase_trace._traced_call(None, "rendered")(render)(None, object()) == "rendered"
+    finally:
+        phase_trace._current.reset(token)
+    assert list(phase_trace.read(sink)[rid]) == ["rendered"]
+
+
+def test_the_plugin_is_inert_without_its_variable_and_outside_the_api_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    installed: list[str] = []
+    monkeypatch.setattr(phase_trace, "install", lambda path: installed.append(path) or [])
+    monkeypatch.delenv(phase_trace.ENV, raising=False)
+    phase_trace.register()
+    monkeypatch.setenv(phase_trace.ENV, str(tmp_path / "t.jsonl"))
+    monkeypatch.setattr(phase_trace.multiprocessing, "parent_process", lambda: object())  # an engine process
+    phase_trace.register()
+    assert installed == []
+
+
+def test_phases_add_up_to_the_client_ttft_and_the_guard_points_split_its_phases() -> None:
+    points = ("asgi", "handler", "rendered", "guard", "submit", "output", "guard_out", "chunk", "sent")
+    events = {"phase-1": {p: 100.0 + 0.010 * i for i, p in enumerate(points, start=1)}}
+    rec = Record(0, "primary", True, 0.0, 0.2, ttft_s=0.1, ok=True, trace_id="phase-1", sent_at=100.0)
+    unstreamed = Record(0, "rescue", False, 0.0, 0.2, ok=True, trace_id="phase-1", sent_at=100.0)
+    phases = report.trace_phases_ms([rec, unstreamed], events)
+    assert [name for name, _, _ in report.TRACE_PHASES] == list(phases)[: len(report.TRACE_PHASES)]
+    assert sum(phases[name]["p50"] for name, _, _ in report.TRACE_PHASES) == pytest.approx(100.0)
+    assert phases["submit"]["p50"] == pytest.approx(20.0)
+    assert phases["submit: vlguard's client"]["p50"] == pytest.approx(10.0)
+    assert phases["deliver"] == {"p50": pytest.approx(10.0), "mean": pytest.approx(10.0), "n": 1}
+    stock = {"phase-1": {p: t for p, t in events["phase-1"].items() if p not in ("guard", "guard_out")}}
+    assert "submit: vlguard's client" not in report.trace_phases_ms([rec], stock)
