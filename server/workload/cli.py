@@ -158,6 +158,11 @@ def trace_table(a: str, b: str, pa: dict[str, dict[str, float]], pb: dict[str, d
             f"{name:30} {x['p50']:13.2f} {y['p50']:13.2f} {x['p50'] - y['p50']:+7.2f} "
             f"{x['mean']:13.2f} {y['mean']:13.2f} {x['mean'] - y['mean']:+7.2f}"
         )
+    for name, phases in ((a, pa), (b, pb)):
+        if own := [n for n in report.GUARD_OWN_PHASES if n in phases]:
+            p50s = ", ".join(f"{n} {phases[n]['p50']:.2f}" for n in own)
+            total = sum(phases[n]["p50"] for n in own)
+            rows.append(f"{name}'s own code on the way to the first token: {total:.2f} ms (sum of p50s: {p50s})")
     return "\n".join(rows)
 
 

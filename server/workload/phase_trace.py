@@ -10,6 +10,8 @@ point to the file:
 point          stamped when
 =============  =====================================================================================
 ``asgi``       the FastAPI application is called for the request (uvicorn has parsed its headers)
+``input_guard`` vlguard's input checks start (vlguard only); ``checks`` and ``checked``: the body is read,
+               the checks start and end; ``admission``: vlguard's admission middleware starts
 ``handler``    vLLM's chat handler starts (``OpenAIServingChat.create_chat_completion``): the body is
                read, every middleware passed, the request model validated
 ``rendered``   vLLM's renderer returns (chat template, image loading and Hugging Face preprocessing
@@ -47,7 +49,21 @@ from typing import IO, Any
 
 ENV = "VLGUARD_PHASE_TRACE"
 #: the points in request order (vlguard-only ones included)
-POINTS = ("asgi", "handler", "rendered", "guard", "submit", "output", "guard_out", "chunk", "sent")
+POINTS = (
+    "asgi",
+    "input_guard",
+    "checks",
+    "checked",
+    "admission",
+    "handler",
+    "rendered",
+    "guard",
+    "submit",
+    "output",
+    "guard_out",
+    "chunk",
+    "sent",
+)
 
 _ID = re.compile(r"phase-[0-9a-f]{16}")
 _CONTENT = re.compile(r'"content":"[^"]')  # a chunk whose delta has text (what the client times)
@@ -186,12 +202,13 @@ _TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[...
         _traced_stream(None, "chunk", _has_content),
     ),
 )
-#: vlguard's engine client, wrapped where vlguard serves (``server.cli`` runs it; stock vLLM never imports it)
-_GUARD_TARGET = (
-    "server.guard.engine_client",
-    "GuardedEngineClient",
-    "generate",
-    _traced_stream("guard", "guard_out", _any),
+#: vlguard's door and engine client, wrapped where vlguard serves (``server.cli`` runs it; stock vLLM never
+#: imports it)
+_GUARD_TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
+    ("server.api.input_guard", "InputGuardMiddleware", "__call__", _traced_call("input_guard", None)),
+    ("server.api.input_guard", "InputGuardMiddleware", "_check", _traced_call("checks", "checked")),
+    ("server.api.admission", "AdmissionMiddleware", "__call__", _traced_call("admission", None)),
+    ("server.guard.engine_client", "GuardedEngineClient", "generate", _traced_stream("guard", "guard_out", _any)),
 )
 
 
@@ -206,7 +223,7 @@ def install(path: str) -> list[str]:
         return []
     targets = list(_TARGETS)
     if "server.cli" in sys.modules:
-        targets.append(_GUARD_TARGET)
+        targets += _GUARD_TARGETS
     wrapped = []
     for module_name, class_name, method, factory in targets:
         try:

@@ -173,12 +173,23 @@ TRACE_PHASES = (
     ("respond", "chunk", "sent"),  # the chunk's way out through the middleware to the HTTP server
     ("deliver", "sent", "first_token"),  # the socket and the client's parsing
 )
-#: vlguard's engine client within ``submit`` and ``serve`` (points only vlguard's tracer stamps)
+#: vlguard's door and engine client within ``door``, ``submit`` and ``serve`` (points only vlguard's tracer
+#: stamps)
 GUARD_TRACE_PHASES = (
+    ("door: to vlguard's input checks", "asgi", "input_guard"),
+    ("door: body read", "input_guard", "checks"),
+    ("door: vlguard's input checks", "checks", "checked"),
+    ("door: to vlguard's admission", "checked", "admission"),
+    ("door: request model, route", "admission", "handler"),
     ("submit: to vlguard's client", "rendered", "guard"),
     ("submit: vlguard's client", "guard", "submit"),
     ("serve: vlguard's client", "output", "guard_out"),
 )
+
+
+#: the phases that are vlguard's own code on a request's way to its first token (no waiting on the client
+#: or the engine in them): its input checks, its engine client on the way in and on the way out
+GUARD_OWN_PHASES = ("door: vlguard's input checks", "submit: vlguard's client", "serve: vlguard's client")
 
 
 def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -88,4 +88,5 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
         guard = [name for name, _, _ in report.GUARD_TRACE_PHASES]
         assert all(name in traced for name in guard) == (side == "vlguard"), traced
     assert "TTFT phase (streamed requests)" in proc.stdout
+    assert "vlguard's own code on the way to the first token" in proc.stdout
     _assert_png(tmp_path / "compare-overhead-latency.png")

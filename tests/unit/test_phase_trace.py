@@ -118,3 +118,14 @@ def test_phases_add_up_to_the_client_ttft_and_the_guard_points_split_its_phases(
     assert phases["deliver"] == {"p50": pytest.approx(10.0), "mean": pytest.approx(10.0), "n": 1}
     stock = {"phase-1": {p: t for p, t in events["phase-1"].items() if p not in ("guard", "guard_out")}}
     assert "submit: vlguard's client" not in report.trace_phases_ms([rec], stock)
+
+
+def test_the_table_sums_vlguards_own_phases_for_the_side_that_has_them() -> None:
+    from server.workload.cli import trace_table
+
+    own = {name: {"p50": 0.25, "mean": 0.5, "n": 3} for name in report.GUARD_OWN_PHASES}
+    stock = {"connect": {"p50": 1.0, "mean": 1.0, "n": 3}}
+    lines = trace_table("vlguard", "stock", {**stock, **own}, stock).splitlines()
+    assert lines[1].split()[:4] == ["connect", "1.00", "1.00", "+0.00"]
+    assert lines[-1].startswith("vlguard's own code on the way to the first token: 0.75 ms")
+    assert not [line for line in lines if line.startswith("stock's own")]
