@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import pybase64  # vLLM's own base64 codec (SIMD): ~60x the standard library's on a 120 KB image
 
-from server.api.pixels import image_rules, normalize_image
+from server.api.pixels import needs_normalizing, normalize_image
 
 #: Content-part types that carry media -> the key holding their URL (or inline data). The responses
 #: API's ``input_image`` keeps its URL under ``image_url`` as a plain string.
@@ -179,10 +179,14 @@ def _base64_error(payload: str) -> str:
     return "refused by the decoder"
 
 
-def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> str:
+def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> tuple[str, list[str]]:
     """Check an encoded image from its header and its container's checksums (no pixel decoding; Pillow's
     ``verify()``: for PNG every chunk's CRC, so corrupt pixel data is refused here on every vLLM version,
-    where some versions' loaders would decode it into wrong pixels). Returns its MIME type.
+    where some versions' loaders would decode it into wrong pixels).
+
+    Returns:
+        ``(mime, rules)``: its MIME type, and with ``limits.normalize`` the normalisation rules that apply
+        to it (:func:`server.api.pixels.needs_normalizing`, read from the same header; else none).
 
     Raises:
         MediaError: 400 when unreadable or corrupt, too many pixels, or too elongated.
@@ -193,6 +197,7 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> str:
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
             width, height = img.size
             mime = Image.MIME.get(img.format or "", "application/octet-stream")
+            rules = needs_normalizing(img, limits.upstream_rules) if limits.normalize else []
             img.verify()
     except Image.DecompressionBombError as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image refused as a decompression bomb ({exc})") from None
@@ -209,7 +214,7 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> str:
             HTTPStatus.BAD_REQUEST,
             f"{where}: image is {width}x{height}, an aspect ratio above the limit of {limits.max_aspect_ratio:g}",
         )
-    return mime
+    return mime, rules
 
 
 def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bytes | None]:
@@ -221,8 +226,8 @@ def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, by
     Raises:
         MediaError: 400 when refused by the checks or its pixels cannot be decoded.
     """
-    mime = check_image_bytes(where, data, limits)
-    if not limits.normalize:
+    mime, rules = check_image_bytes(where, data, limits)
+    if not rules:
         return mime, None
     try:
         return mime, normalize_image(data, limits.upstream_rules)
@@ -276,8 +281,7 @@ def check_media(
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
             if part.is_image and not decode and limits.normalize:
-                check_image_bytes(where, data, limits)
-                pending += bool(image_rules(data, limits.upstream_rules))
+                pending += bool(check_image_bytes(where, data, limits)[1])
             elif part.is_image:  # an unchanged image keeps its URI (no re-encoding)
                 _, png = checked_image(where, data, limits)
                 if png is not None:

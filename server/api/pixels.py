@@ -57,13 +57,6 @@ def needs_normalizing(img: Image.Image, skip: frozenset[str] = frozenset()) -> l
     return [rule for rule in rules if rule not in skip]
 
 
-def image_rules(data: bytes, skip: frozenset[str] = frozenset()) -> list[str]:
-    """:func:`needs_normalizing` for an encoded image, from its header (no pixel decoding; well under a
-    millisecond). Raises what ``Image.open`` raises for unreadable data."""
-    with Image.open(io.BytesIO(data)) as opened:
-        return needs_normalizing(opened, skip)
-
-
 def _scale_to_8bit(img: Image.Image) -> Image.Image:
     """A single-channel ``I;16*``/``I``/``F`` image as ``L``, scaled over its range (see rule 3)."""
     values = np.asarray(img, dtype=np.float32)
