@@ -179,14 +179,15 @@ def _base64_error(payload: str) -> str:
     return "refused by the decoder"
 
 
-def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> tuple[str, list[str]]:
+def check_image_bytes(where: str, data: bytes, limits: MediaLimits, rules: bool = False) -> tuple[str, list[str]]:
     """Check an encoded image from its header and its container's checksums (no pixel decoding; Pillow's
     ``verify()``: for PNG every chunk's CRC, so corrupt pixel data is refused here on every vLLM version,
     where some versions' loaders would decode it into wrong pixels).
 
     Returns:
-        ``(mime, rules)``: its MIME type, and with ``limits.normalize`` the normalisation rules that apply
-        to it (:func:`server.api.pixels.needs_normalizing`, read from the same header; else none).
+        ``(mime, rules)``: its MIME type, and when ``rules`` and ``limits.normalize`` are set the
+        normalisation rules that apply to it (:func:`server.api.pixels.needs_normalizing`, read from the
+        same header; else none).
 
     Raises:
         MediaError: 400 when unreadable or corrupt, too many pixels, or too elongated.
@@ -197,7 +198,7 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> tuple[str
         with Image.open(io.BytesIO(data)) as img:  # reads the header only
             width, height = img.size
             mime = Image.MIME.get(img.format or "", "application/octet-stream")
-            rules = needs_normalizing(img, limits.upstream_rules) if limits.normalize else []
+            applying = needs_normalizing(img, limits.upstream_rules) if rules and limits.normalize else []
             img.verify()
     except Image.DecompressionBombError as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image refused as a decompression bomb ({exc})") from None
@@ -214,7 +215,7 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits) -> tuple[str
             HTTPStatus.BAD_REQUEST,
             f"{where}: image is {width}x{height}, an aspect ratio above the limit of {limits.max_aspect_ratio:g}",
         )
-    return mime, rules
+    return mime, applying
 
 
 def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bytes | None]:
@@ -226,7 +227,7 @@ def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, by
     Raises:
         MediaError: 400 when refused by the checks or its pixels cannot be decoded.
     """
-    mime, rules = check_image_bytes(where, data, limits)
+    mime, rules = check_image_bytes(where, data, limits, rules=True)
     if not rules:
         return mime, None
     try:
@@ -281,7 +282,7 @@ def check_media(
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
             if part.is_image and not decode and limits.normalize:
-                pending += bool(check_image_bytes(where, data, limits)[1])
+                pending += bool(check_image_bytes(where, data, limits, rules=True)[1])
             elif part.is_image:  # an unchanged image keeps its URI (no re-encoding)
                 _, png = checked_image(where, data, limits)
                 if png is not None:

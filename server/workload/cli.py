@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="vlguard sides emulate CUDA-graph padding on CPU through the test plugin (development environments only)",
     )
+    cmp_.add_argument(
+        "--no-trace",
+        action="store_true",
+        help="throughput scenarios: without the phase-by-phase TTFT trace in both servers (it costs vlguard's "
+        "side, which has more points, slightly more than stock's)",
+    )
     _workload_args(cmp_)
     sub.add_parser("normalize", help="Time image normalisation at the door, off vs on, per image (no server).")
     return parser
@@ -213,6 +219,7 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         emulate_padding=args.emulate_padding,
         out=args.out,
         progress=not args.no_progress,
+        trace=not args.no_trace,
     )
     stem = args.out / f"compare-{args.scenario}"
     if args.scenario == "fault":

@@ -108,6 +108,7 @@ class CompareOptions:
     out: Path = Path("bench-out")
     progress: bool = True
     ready_timeout_s: float = 900.0
+    trace: bool = True  # the phase trace in both servers (server.workload.phase_trace)
 
 
 def trace_path(system: System, opts: CompareOptions) -> Path:
@@ -118,18 +119,21 @@ def trace_path(system: System, opts: CompareOptions) -> Path:
 def system_server(
     system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str | None = None
 ) -> ServerProcess:
-    """The (not yet started) server of one side, its phase tracer on (:func:`trace_path`). ``extra_env``
-    goes to every side; ``stock_plugins`` is the stock server's ``VLLM_PLUGINS`` besides the tracer
-    (default ``system.stock_plugins``, itself none by default: vlguard's plugins, installed in the same
-    environment, stay out of stock)."""
+    """The (not yet started) server of one side, its phase tracer on with ``opts.trace``
+    (:func:`trace_path`). ``extra_env`` goes to every side; ``stock_plugins`` is the stock server's
+    ``VLLM_PLUGINS`` besides the tracer (default ``system.stock_plugins``, itself none by default:
+    vlguard's plugins, installed in the same environment, stay out of stock)."""
     log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
     log.write_bytes(b"")
-    trace = trace_path(system, opts)
-    trace.write_bytes(b"")
-    extra_env = {**dict(system.env), phase_trace.ENV: str(trace), **(extra_env or {})}
+    traced = {}
+    if opts.trace:
+        trace = trace_path(system, opts)
+        trace.write_bytes(b"")
+        traced = {phase_trace.ENV: str(trace)}
+    extra_env = {**dict(system.env), **traced, **(extra_env or {})}
     if system.stock:
         plugins = system.stock_plugins if stock_plugins is None else stock_plugins
-        plugins = ",".join(p for p in (plugins, "vlguard_phase_trace") if p)  # both sides traced alike
+        plugins = ",".join(p for p in (plugins, "vlguard_phase_trace" if opts.trace else "") if p)
         env = engine_env(VLLM_PLUGINS=plugins, **extra_env)
         return ServerProcess(stock_command(opts.model, *opts.serve_args), log, env=env, ready_path="/health")
     args = [*opts.serve_args, *system.guard_args]
@@ -179,7 +183,7 @@ def _measure(
                 first_pair=first_pair,
                 concurrency=opts.concurrency,
                 progress=opts.progress,
-                trace=True,
+                trace=opts.trace,
             )
         )
     finally:
@@ -250,6 +254,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "ttft_trace_ms": {
             name: report.trace_phases_ms(records[name], phase_trace.read(trace_path(system, opts)))
             for name, system in zip((a, b), SCENARIOS[opts.scenario], strict=True)
+            if opts.trace
         },
         # Requests each engine served in those rounds: the client's plus the server's own (probes).
         "engine_requests": {n: deltas.get(n, {}).get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in (a, b)},

@@ -6,28 +6,33 @@ without a multiprocessing parent; engine processes are left alone) the plugin wr
 points a chat request passes through and appends one JSON line ``{"id", "point", "t"}`` per request and
 point to the file:
 
-=============  =====================================================================================
-point          stamped when
-=============  =====================================================================================
-``asgi``       the FastAPI application is called for the request (uvicorn has parsed its headers)
-``input_guard`` vlguard's input checks start (vlguard only); ``checks`` and ``checked``: the body is read,
-               the checks start and end; ``admission``: vlguard's admission middleware starts
-``handler``    vLLM's chat handler starts (``OpenAIServingChat.create_chat_completion``): the body is
-               read, every middleware passed, the request model validated
-``rendered``   vLLM's renderer returns (chat template, image loading and Hugging Face preprocessing
-               or a processor-cache hit)
-``guard``      vlguard's engine client starts the request (vlguard only)
-``submit``     ``AsyncLLM.generate`` starts the request (engine input, then the engine core)
-``output``     ``AsyncLLM.generate`` yields its first output
-``guard_out``  vlguard's engine client yields its first output (vlguard only)
-``chunk``      the chat stream generator yields its first chunk with content
-``sent``       the first response body with content is handed to the HTTP server (``send``)
-=============  =====================================================================================
+===============  ===================================================================================
+point            stamped when
+===============  ===================================================================================
+``asgi``         the FastAPI application is called for the request (uvicorn has parsed its headers)
+``input_guard``  vlguard's input checks start (vlguard only)
+``checks``       the body is read: vlguard's input checks start (vlguard only)
+``checked``      vlguard's input checks end (vlguard only)
+``admission``    vlguard's admission middleware starts (vlguard only)
+``handler``      vLLM's chat handler starts (``OpenAIServingChat.create_chat_completion``): the body is
+                 read, every middleware passed, the request model validated
+``rendered``     vLLM's renderer returns (chat template, image loading and Hugging Face preprocessing
+                 or a processor-cache hit)
+``guard``        vlguard's engine client starts the request (vlguard only)
+``submit``       ``AsyncLLM.generate`` starts the request (engine input, then the engine core)
+``output``       ``AsyncLLM.generate`` yields its first output
+``guard_out``    vlguard's engine client yields its first output (vlguard only)
+``chunk``        the chat stream generator yields its first chunk with content
+``sent``         the first response body with content is handed to the HTTP server (``send``)
+===============  ===================================================================================
 
 Times are ``time.monotonic()`` seconds: CLOCK_MONOTONIC, one clock for every process of the machine, so
 the bench client's send and first-token times (:mod:`server.workload.generator`) line up with them. A
-point vLLM does not have under that name is skipped with a warning. The cost is a few microseconds a
-point, on both servers alike.
+point vLLM does not have under that name, or not as the kind of function wrapped, is skipped with a
+warning. The cost is a few microseconds a point, and one more async-generator step per output through a
+wrapped engine client: vlguard's side has four more points than stock's (its door and its engine client),
+so the tracer costs it slightly more (``vlguard bench compare --no-trace`` measures without it). Only the
+API process of a server is traced (with ``--api-server-count`` above 1 there is none: nothing is traced).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 import json
 import logging
 import multiprocessing
@@ -45,25 +51,9 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 ENV = "VLGUARD_PHASE_TRACE"
-#: the points in request order (vlguard-only ones included)
-POINTS = (
-    "asgi",
-    "input_guard",
-    "checks",
-    "checked",
-    "admission",
-    "handler",
-    "rendered",
-    "guard",
-    "submit",
-    "output",
-    "guard_out",
-    "chunk",
-    "sent",
-)
 
 _ID = re.compile(r"phase-[0-9a-f]{16}")
 _CONTENT = re.compile(r'"content":"[^"]')  # a chunk whose delta has text (what the client times)
@@ -103,8 +93,10 @@ def stamp(rid: str | None, point: str) -> None:
         _sink.write(json.dumps({"id": rid, "point": point, "t": time.monotonic()}) + "\n")
 
 
-def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    return request_id_of(*args, *kwargs.values()) or _current.get()
+def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any], from_context: bool) -> str | None:
+    """The trace id of a method call: in its arguments (``self`` left out), else, for ``from_context``
+    points (calls that carry no request of their own), the id of the request being served."""
+    return request_id_of(*args[1:], *kwargs.values()) or (_current.get() if from_context else None)
 
 
 def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -133,11 +125,13 @@ def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
     return traced
 
 
-def _traced_call(point_at_start: str | None, point_at_end: str | None) -> Callable[..., Any]:
+def _traced_call(
+    point_at_start: str | None, point_at_end: str | None, from_context: bool = False
+) -> Callable[..., Any]:
     def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(call)
         async def traced(*args: Any, **kwargs: Any) -> Any:
-            rid = _args_id(args, kwargs)
+            rid = _args_id(args, kwargs, from_context)
             if point_at_start:
                 stamp(rid, point_at_start)
             result = await call(*args, **kwargs)
@@ -154,7 +148,7 @@ def _traced_stream(start: str | None, first: str, is_first: Callable[[Any], bool
     def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(call)
         async def traced(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            rid = _args_id(args, kwargs)
+            rid = _args_id(args, kwargs, from_context=False)
             if start:
                 stamp(rid, start)
             pending = True
@@ -178,37 +172,44 @@ def _has_content(chunk: Any) -> bool:
     return isinstance(chunk, str) and _CONTENT.search(chunk) is not None
 
 
+class _Point(NamedTuple):
+    """A method to wrap: ``module.cls.method``, an async generator function when ``stream`` (else a
+    coroutine function), and its wrapper."""
+
+    module: str
+    cls: str
+    method: str
+    stream: bool
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
 _SERVING = "vllm.entrypoints.openai.chat_completion.serving"
-#: (module, class, method, wrapper factory)
-_TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
-    ("fastapi", "FastAPI", "__call__", _traced_asgi),
-    (
-        _SERVING,
-        "OpenAIServingChat",
-        "create_chat_completion",
-        _traced_call("handler", None),
-    ),
-    (
-        _SERVING,
-        "OpenAIServingChat",
-        "render_chat_request",
-        _traced_call(None, "rendered"),
-    ),
-    ("vllm.v1.engine.async_llm", "AsyncLLM", "generate", _traced_stream("submit", "output", _any)),
-    (
+_POINTS = (
+    _Point("fastapi", "FastAPI", "__call__", False, _traced_asgi),
+    _Point(_SERVING, "OpenAIServingChat", "create_chat_completion", False, _traced_call("handler", None)),
+    _Point(_SERVING, "OpenAIServingChat", "render_chat_request", False, _traced_call(None, "rendered", True)),
+    _Point("vllm.v1.engine.async_llm", "AsyncLLM", "generate", True, _traced_stream("submit", "output", _any)),
+    _Point(
         _SERVING,
         "OpenAIServingChat",
         "chat_completion_stream_generator",
+        True,
         _traced_stream(None, "chunk", _has_content),
     ),
 )
 #: vlguard's door and engine client, wrapped where vlguard serves (``server.cli`` runs it; stock vLLM never
 #: imports it)
-_GUARD_TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
-    ("server.api.input_guard", "InputGuardMiddleware", "__call__", _traced_call("input_guard", None)),
-    ("server.api.input_guard", "InputGuardMiddleware", "_check", _traced_call("checks", "checked")),
-    ("server.api.admission", "AdmissionMiddleware", "__call__", _traced_call("admission", None)),
-    ("server.guard.engine_client", "GuardedEngineClient", "generate", _traced_stream("guard", "guard_out", _any)),
+_GUARD_POINTS = (
+    _Point("server.api.input_guard", "InputGuardMiddleware", "__call__", False, _traced_call("input_guard", None)),
+    _Point("server.api.input_guard", "InputGuardMiddleware", "_check", False, _traced_call("checks", "checked", True)),
+    _Point("server.api.admission", "AdmissionMiddleware", "__call__", False, _traced_call("admission", None)),
+    _Point(
+        "server.guard.engine_client",
+        "GuardedEngineClient",
+        "generate",
+        True,
+        _traced_stream("guard", "guard_out", _any),
+    ),
 )
 
 
@@ -221,20 +222,22 @@ def install(path: str) -> list[str]:
     global _sink
     if _sink is not None:
         return []
-    targets = list(_TARGETS)
-    if "server.cli" in sys.modules:
-        targets += _GUARD_TARGETS
-    wrapped = []
-    for module_name, class_name, method, factory in targets:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            original = cls.__dict__[method]
-        except (ImportError, AttributeError, KeyError):
-            logger.warning("vlguard phase trace: %s.%s.%s not found; not traced", module_name, class_name, method)
-            continue
-        setattr(cls, method, factory(original))
-        wrapped.append(f"{module_name}.{class_name}.{method}")
     _sink = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    points = [*_POINTS, *(_GUARD_POINTS if "server.cli" in sys.modules else ())]
+    wrapped = []
+    for point in points:
+        where = f"{point.module}.{point.cls}.{point.method}"
+        try:
+            cls = getattr(importlib.import_module(point.module), point.cls)
+            original = cls.__dict__[point.method]
+        except (ImportError, AttributeError, KeyError):
+            logger.warning("vlguard phase trace: %s not found; not traced", where)
+            continue
+        if not (inspect.isasyncgenfunction if point.stream else inspect.iscoroutinefunction)(original):
+            logger.warning("vlguard phase trace: %s is not the kind of function expected; not traced", where)
+            continue
+        setattr(cls, point.method, point.wrap(original))
+        wrapped.append(where)
     return wrapped
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from server.workload import report
+from server.workload import phase_trace, report
 from tests.servers import NO_COMPILE_WHEN_EAGER, NO_SPARE, REPO, TINY_PROFILE, ServerProcess
 
 
@@ -57,6 +57,11 @@ def test_twopass_run_completes_without_errors_and_writes_json_and_png(server: Se
     _assert_png(tmp_path / "twopass-latency.png")
 
 
+#: a traced request's points in the order it passes them (report.TRACE_PHASES and GUARD_TRACE_PHASES)
+ORDER = ("asgi", "input_guard", "checks", "checked", "admission", "handler", "rendered", "guard", "submit", "output",
+         "guard_out", "chunk", "sent", "first_token")  # fmt: skip
+
+
 def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_model: Path, tmp_path: Path) -> None:
     proc = _bench("compare", str(tiny_model), "--rounds", "2", "--warmup", "0", "--pairs", "2", "--concurrency", "2",
                   "--max-tokens", "4", "--out", str(tmp_path), "--no-progress",
@@ -87,6 +92,14 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
         assert total == pytest.approx(phases["client_ttft"], abs=0.01), (total, phases)
         guard = [name for name, _, _ in report.GUARD_TRACE_PHASES]
         assert all(name in traced for name in guard) == (side == "vlguard"), traced
+        # every streamed request traced, its points in request order on the one clock the client shares
+        streamed = [r for r in data["records"][side] if r["stream"] and r["ok"]]
+        assert traced["connect"]["n"] == len(streamed) > 0
+        events = phase_trace.read(tmp_path / f"compare-overhead-{side}-trace.jsonl")
+        for rec in streamed:
+            points = {**events[rec["trace_id"]], "first_token": rec["sent_at"] + rec["ttft_s"]}
+            times = [rec["sent_at"], *(points[p] for p in ORDER if p in points)]
+            assert times == sorted(times), (side, points)
     assert "TTFT phase (streamed requests)" in proc.stdout
     assert "vlguard's own code on the way to the first token" in proc.stdout
     _assert_png(tmp_path / "compare-overhead-latency.png")

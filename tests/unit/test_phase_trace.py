@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import sys
+import types
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +17,11 @@ from server.workload.generator import Record
 
 
 @pytest.fixture
-def sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = tmp_path / "trace.jsonl"
-    monkeypatch.setattr(phase_trace, "_sink", path.open("a", buffering=1, encoding="utf-8"))
-    return path
+    with path.open("a", buffering=1, encoding="utf-8") as file:
+        monkeypatch.setattr(phase_trace, "_sink", file)
+        yield path
 
 
 def test_trace_ids_are_found_in_vllm_request_ids_headers_and_asgi_scopes() -> None:
@@ -84,12 +88,61 @@ async def test_a_call_finds_the_id_of_the_request_it_serves_through_the_context(
     async def render(_self: Any, request: Any) -> str:
         return "rendered"
 
+    async def generate(_self: Any, prompt: str, request_id: str) -> str:
+        return "generated"
+
     token = phase_trace._current.set(rid)
     try:
-        assert await phase_trace._traced_call(None, "rendered")(render)(None, object()) == "rendered"
+        assert await phase_trace._traced_call(None, "rendered", from_context=True)(render)(None, object()) == "rendered"
+        # a call that carries a request of its own (a probe started inside a traced request) is not credited
+        assert await phase_trace._traced_call("submit", None)(generate)(None, "p", "vlguard-probe-1") == "generated"
     finally:
         phase_trace._current.reset(token)
     assert list(phase_trace.read(sink)[rid]) == ["rendered"]
+
+
+def test_install_wraps_the_points_it_finds_as_expected_and_skips_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Serving:
+        async def handle(self, request: Any) -> str:
+            return "handled"
+
+        def render(self, request: Any) -> str:  # a point vLLM made synchronous: wrapping it would break it
+            return "rendered"
+
+    module = types.ModuleType("fake_serving")
+    module.Serving = Serving  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_serving", module)
+    points = (
+        phase_trace._Point("fake_serving", "Serving", "handle", False, phase_trace._traced_call("handler", None)),
+        phase_trace._Point("fake_serving", "Serving", "render", False, phase_trace._traced_call(None, "rendered")),
+        phase_trace._Point("fake_serving", "Serving", "gone", False, phase_trace._traced_call("gone", None)),
+        phase_trace._Point(
+            "no_such_module_here", "X", "y", True, phase_trace._traced_stream("a", "b", phase_trace._any)
+        ),
+    )
+    monkeypatch.setattr(phase_trace, "_POINTS", points)
+    monkeypatch.setattr(phase_trace, "_sink", None)
+    path = tmp_path / "t.jsonl"
+    monkeypatch.setenv(phase_trace.ENV, str(path))
+    phase_trace.register()  # the API process (no multiprocessing parent): installs
+    assert phase_trace._sink is not None and path.exists()
+    try:
+        assert Serving.__dict__["handle"].__wrapped__ is not None  # wrapped (functools.wraps keeps the original)
+        assert "fake_serving.Serving.gone not found" in caplog.text and "no_such_module_here.X.y" in caplog.text
+        assert "fake_serving.Serving.render is not the kind of function expected" in caplog.text
+        assert Serving().render(None) == "rendered"  # left as it was
+        assert phase_trace.install(str(path)) == []  # idempotent: nothing wrapped twice
+        rid = phase_trace.trace_id()
+
+        class Request:
+            headers = {"x-request-id": rid}  # noqa: RUF012
+
+        assert asyncio.run(Serving().handle(Request())) == "handled"
+    finally:
+        phase_trace._sink.close()
+    assert list(phase_trace.read(path)[rid]) == ["handler"]
 
 
 def test_the_plugin_is_inert_without_its_variable_and_outside_the_api_process(

@@ -200,5 +200,9 @@ def test_the_cache_scenario_runs_stock_twice_one_with_the_replay_safe_cache_plug
     assert "vllm.entrypoints.openai.api_server" in " ".join(safe.argv) and " ".join(safe.argv) == " ".join(split.argv)
     assert (safe.env["VLLM_PLUGINS"], safe.env[ENV]) == ("vlguard_replay_cache,vlguard_phase_trace", "1")
     assert split.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and ENV not in split.env  # vLLM's own split cache
-    # both sides traced, each to its own file
+    # both sides traced, each to its own file; --no-trace: neither
     assert safe.env["VLGUARD_PHASE_TRACE"] != split.env["VLGUARD_PHASE_TRACE"]
+    untraced = system_server(
+        SCENARIOS["cache"][1], CompareOptions(model="m", scenario="cache", out=tmp_path, trace=False)
+    )
+    assert untraced.env["VLLM_PLUGINS"] == "" and "VLGUARD_PHASE_TRACE" not in untraced.env
