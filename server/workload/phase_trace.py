@@ -57,7 +57,7 @@ ENV = "VLGUARD_PHASE_TRACE"
 
 _ID = re.compile(r"phase-[0-9a-f]{16}")
 _CONTENT = re.compile(r'"content":"[^"]')  # a chunk whose delta has text (what the client times)
-_CONTENT_BYTES = re.compile(rb'"content":"[^"]')
+_CONTENT_BYTES = re.compile(_CONTENT.pattern.encode())  # the same, in a response body
 
 logger = logging.getLogger("vllm.vlguard.phase_trace")
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("vlguard_phase_trace_id", default=None)
