@@ -17,7 +17,12 @@ resolved here, newest location first, and nowhere else:
 vLLM's choice of multimodal processor cache type is the method
 ``vllm.multimodal.registry.MultiModalRegistry._get_cache_type(self, vllm_config)`` in 0.20 - 0.22 and the
 module function ``vllm.multimodal.cache.factories._get_cache_type(vllm_config)`` in 0.32
-(:func:`wrap_mm_cache_type`).
+(:func:`wrap_mm_cache_type`). The API-side processor cache is built by
+``MultiModalRegistry.processor_cache_from_config(self, vllm_config)`` in 0.20 - 0.22 and by the module
+function the renderer imports, ``vllm.renderers.base.processor_cache_from_config(vllm_config)``, in 0.32
+(:func:`wrap_mm_processor_cache_factory`); vLLM's split cache's API half is
+``vllm.multimodal.cache.MultiModalProcessorSenderCache`` in 0.20 - 0.22 and
+``vllm.multimodal.cache.LruKeyReplicatedSenderCache`` in 0.32 (:func:`lru_sender_cache`).
 
 ``Scheduler.finish_requests`` returns ``(id, client index)`` pairs up to 0.22 and ``Request`` objects in
 0.32 (:func:`finished_requests`). Differences in behaviour rather than location are handled where they
@@ -111,6 +116,57 @@ def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]])
             target._get_cache_type = wrap(target._get_cache_type)
             return ".".join(filter(None, (module, owner, "_get_cache_type")))
     raise ImportError("vLLM's multimodal cache type chooser was not found: unsupported vLLM version")
+
+
+#: Where vLLM's renderer builds its API-side processor cache, newest vLLM first: (module, class or None).
+PROCESSOR_CACHE_FACTORIES: tuple[tuple[str, str | None], ...] = (
+    ("vllm.renderers.base", None),
+    ("vllm.multimodal.registry", "MultiModalRegistry"),
+)
+#: vLLM's API half of the split (``lru``) processor cache, newest name first.
+LRU_SENDER_CACHES = ("LruKeyReplicatedSenderCache", "MultiModalProcessorSenderCache")
+
+
+def wrap_mm_processor_cache_factory(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> str:
+    """Replace the ``processor_cache_from_config`` vLLM's renderer calls by ``wrap(original)``. ``wrap``
+    must accept both signatures (``(vllm_config)`` and ``(self, vllm_config)``).
+
+    Returns:
+        The qualified name that was replaced.
+    Raises:
+        ImportError: no known location defines it (an unsupported vLLM version).
+    """
+    for module, owner in PROCESSOR_CACHE_FACTORIES:
+        if (mod := _import_if_present(module)) is None:
+            continue
+        target: Any = getattr(mod, owner, None) if owner else mod
+        if target is not None and hasattr(target, "processor_cache_from_config"):
+            target.processor_cache_from_config = wrap(target.processor_cache_from_config)
+            return ".".join(filter(None, (module, owner, "processor_cache_from_config")))
+    raise ImportError("vLLM's multimodal processor cache factory was not found: unsupported vLLM version")
+
+
+def lru_sender_cache(model_config: Any) -> Any:
+    """A new API half of vLLM's split ``lru`` processor cache for ``model_config`` (sized by its
+    ``mm_processor_cache_gb``): it records the items sent and answers which ones the engine core's
+    receiver cache holds, evicting in the receiver's order.
+
+    Raises:
+        ImportError: an unsupported vLLM version.
+    """
+    import vllm.multimodal.cache as cache
+
+    for name in LRU_SENDER_CACHES:
+        if (cls := getattr(cache, name, None)) is not None:
+            return cls(model_config)
+    raise ImportError("vLLM's lru sender cache was not found: unsupported vLLM version")
+
+
+def processor_only_cache(model_config: Any) -> Any:
+    """A new ``processor_only`` processor cache (vLLM's API-side cache that keeps the processed items)."""
+    from vllm.multimodal.cache import MultiModalProcessorOnlyCache
+
+    return MultiModalProcessorOnlyCache(model_config)
 
 
 def build_renderer_and_input_processor(vllm_config: Any) -> tuple[Any, Any]:

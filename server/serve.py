@@ -76,8 +76,9 @@ def vllm_changes(args: argparse.Namespace, settings: GuardSettings) -> dict[str,
     changes = {name: f"{value!r} (vlguard)" for name, value in engine_overrides(args, settings).items()}
     if getattr(args, "mm_processor_cache_gb", 0) > 0:
         changes["mm_processor_cache_type"] = (
-            "processor_only where vLLM would choose lru or shm: processed images stay in the API process and "
-            "are sent whole, so replays reach any engine core with their data (server/guard/replay_cache.py)"
+            "lru (shm becomes lru), its API half kept with the images' data: the guard sends a repeated image "
+            "as its hash only to an engine core that holds it, so replays reach any engine core with their "
+            "data; host memory up to twice --mm-processor-cache-gb (server/guard/replay_cache.py, ipc_cache.py)"
         )
     if settings.patches:
         changes["model"] = "deepstack backports where the installed vLLM has the defects (server/patches)"
@@ -212,8 +213,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         os.environ["VLLM_PLUGINS"] = allowed
     if settings.alignment_max_capture_size:
         os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
-    # Replays need the processor cache in its API-side-only form: here, where that cache lives, and (the
-    # plugin, through this variable) in the engine processes, which then keep no receiver cache.
+    # Replays need the processor cache's API half to keep the images' data: installed here, where it lives;
+    # the engine processes (the plugin, through this variable) keep vLLM's receiver cache, shm made lru.
     os.environ[replay_cache.ENV] = "1"
     try:
         logger.info("replay-safe processor cache: %s wrapped", replay_cache.install())

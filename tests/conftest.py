@@ -26,11 +26,17 @@ from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"  # the fault plugin's: each step sleeps while that file exists
+DROP_MM_CACHE_ENV = "VLGUARD_TEST_DROP_MM_CACHE_IF"  # the fault plugin's: engine-side image cache emptied
 
 
 def slow_steps_flag(srv: ServerProcess) -> Path:
     """The file whose presence makes every step of ``srv``'s engine slow (25 ms more: the fault plugin)."""
     return Path(srv.env[SLOW_STEPS_ENV])
+
+
+def drop_mm_cache_flag(srv: ServerProcess) -> Path:
+    """The file whose presence makes ``srv``'s engine core empty its image cache before each request."""
+    return Path(srv.env[DROP_MM_CACHE_ENV])
 
 
 def token_ids(model: Path, text: str) -> list[int]:
@@ -60,7 +66,8 @@ def _launch_server(tiny_model: Path, logs: Path) -> ServerProcess:
 
 def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
     poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
-    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, **{SLOW_STEPS_ENV: str(logs / "slow-steps")})
+    flags = {SLOW_STEPS_ENV: str(logs / "slow-steps"), DROP_MM_CACHE_ENV: str(logs / "drop-mm-cache")}
+    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, **flags)
     # A spare: the C5 kill test asserts the rebuild runs in it, and the step-fault tests rebuild too.
     argv = vlguard_argv(tiny_model, "--enforce-eager", *SPARE)
     return ServerProcess(argv, logs / "vlguard-eager.log", env=env).start()

@@ -13,6 +13,9 @@
   way vLGuard's fatal recorder does in a real engine core: a ``fatal-*.json`` naming the requests of the
   failing step (every request inside the fake at that moment: its batch) in the directory the supervisor
   set in ``VLGUARD_STATE_DIR`` before the build. ``die()`` records nothing, like a SIGKILL;
+* with ``receiver=True`` the fake keeps an engine core's processor cache (the hashes of the processed
+  images it received with their data): an image sent without data (``None``) that it does not hold
+  finishes the request with ``ERROR`` and no token, as vLLM's receiver cache miss does;
 * with ``soft=True`` the poison is absorbed instead, as a real engine core with soft recovery does
   (:mod:`server.guard.soft`): a ``soft-*.json`` record, and every request inside the fake ends with an
   ``ERROR`` finish and no tokens; the engine lives on.
@@ -68,10 +71,13 @@ class FakeEngine:
         renderer: object | None = None,
         fatal_dir: str | None = None,
         soft: bool = False,
+        receiver: bool = False,
         **extra: Any,
     ) -> None:
         self.generation = generation
         self.soft = soft
+        self.receiver = receiver
+        self.held: set[str] = set()  # receiver=True: hashes of the processed images this engine core holds
         self.soft_faults = 0
         self._cut: set[str] = set()  # requests a soft recovery finished with ERROR, not yet told
         self.fatal_dir = fatal_dir
@@ -130,12 +136,32 @@ class FakeEngine:
         """
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else [len(str(prompt))]
         self.inputs[request_id] = prompt
+        if self.receiver and not self._receive(prompt):
+            from vllm.outputs import CompletionOutput, RequestOutput
+
+            yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                                outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                                          logprobs=None, finish_reason="error")],
+                                finished=True)  # fmt: skip
+            return
         self.active.add(request_id)
         try:
             async for output in self._generate(ids, sampling_params, request_id):
                 yield output
         finally:
             self.active.discard(request_id)
+
+    def _receive(self, prompt: Any) -> bool:
+        """The receiver cache's part of adding a request: False when an image came without data and is not
+        held (the request then fails); otherwise the images that came with data are held from now on."""
+        if not isinstance(prompt, dict) or "mm_kwargs" not in prompt:
+            return True
+        hashes = prompt["mm_hashes"]
+        pairs = [pair for m, items in prompt["mm_kwargs"].items() for pair in zip(items, hashes[m], strict=True)]
+        if any(item is None and h not in self.held for item, h in pairs):
+            return False
+        self.held |= {h for item, h in pairs if item is not None}
+        return True
 
     def _record_step_exception(self, type_name: str, message: str) -> None:
         """What a real engine core's fatal recorder writes when a step raises (engine-side ids carry a suffix)."""
@@ -154,6 +180,7 @@ class FakeEngine:
                   "step_requests": step, "new_requests": step, "cut": step, "recovery_s": 0.001}  # fmt: skip
         (Path(self.fatal_dir) / f"soft-{self.generation}-{self.soft_faults}.json").write_text(json.dumps(record))
         self._cut |= self.active
+        self.held.clear()  # a soft recovery resets the engine core's processor cache
 
     async def _generate(self, ids: list[int], sampling_params: Any, request_id: str) -> AsyncGenerator[Any, None]:
         from vllm.outputs import CompletionOutput, RequestOutput
@@ -225,6 +252,7 @@ class FakeEngine:
 
     async def reset_mm_cache(self) -> None:
         self.mm_cache_resets += 1
+        self.held.clear()
 
     def shutdown(self) -> None:
         self.shut_down = True

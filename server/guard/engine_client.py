@@ -13,6 +13,8 @@ current. When the engine dies under a request:
   and recorded why) is carried over the same way, onto the same engine;
 * a request with a strike (it was in the failing step of an earlier fault) runs on probation, isolated
   (:mod:`server.guard.inflight`), so its next fault is charged to it alone;
+* a processed image the current engine core holds is sent as its hash (:mod:`server.guard.ipc_cache`);
+  if the engine core turns out not to hold it (its cache drifted), the request is sent again whole;
 * where resuming is impossible (``n > 1``, cumulative outputs, a prompt without token ids) or the
   request is quarantined, the error propagates: a stream then ends with an OpenAI error event.
 """
@@ -24,6 +26,7 @@ from collections.abc import AsyncGenerator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
+from server.guard.ipc_cache import cache_miss
 from server.guard.quarantine import fingerprint
 from server.guard.supervisor import EngineState
 from server.metrics import definitions as m
@@ -105,6 +108,7 @@ class GuardedEngineClient:
         sent: list[int] = []
         yielded = False
         carries = 0
+        whole = False  # send every processed image with its data (the engine core missed one)
         while True:
             try:
                 engine, generation = await sup.acquire()
@@ -124,13 +128,21 @@ class GuardedEngineClient:
                     sup.note_progress(output=False)  # idle -> busy: the hang clock starts now
                 # The death is reported while this request is still on the ledger: it was in flight.
                 with sup.inflight.entered(request_id, fp, generation):
+                    stripped = False  # images this engine core holds go as their hashes (last, after waits)
+                    if not whole and (shadow := sup.ipc_cache(generation)) is not None:
+                        attempt_prompt, stripped = shadow.strip(attempt_prompt)
                     try:
-                        cut = False
+                        cut = missed = False
+                        first = True
                         async for output in engine.generate(attempt_prompt, attempt_params, request_id, **kwargs):
                             sup.note_progress()
                             # A soft recovery finished it (always its last output): deliver the tokens of
                             # earlier steps it may carry, not the finish; then carry the request over.
                             cut = cut or (_error_finish(output) and sup.take_cut(generation, request_id))
+                            # The engine core did not hold an image sent as its hash: send it again, whole.
+                            missed, first = not cut and cache_miss(output, stripped, first), False
+                            if missed:
+                                continue
                             if cut:
                                 _unfinish(output)
                                 if not (delta and single and output.outputs and output.outputs[0].token_ids):
@@ -143,6 +155,13 @@ class GuardedEngineClient:
                                 sent.extend(output.outputs[0].token_ids)
                             yielded = True
                             yield output
+                        if missed:
+                            whole = True
+                            m.MM_CACHE_RESENDS.inc()
+                            logger.warning(
+                                "request %s: the engine core missed a cached image; sent again whole", request_id
+                            )
+                            continue
                         if not cut:
                             return
                     except EngineDeadError:

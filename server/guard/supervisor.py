@@ -29,10 +29,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server.guard import fatal, watchdog
+from server.guard import fatal, ipc_cache, watchdog
 from server.guard.errors import EngineUnavailableError
 from server.guard.fatal import FatalRecord, read_fatal
 from server.guard.inflight import InflightLedger
+from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.quarantine import Quarantine
 from server.guard.soft import ENABLED_ENV as SOFT_ENABLED_ENV
 from server.guard.soft import MAX_ENV as SOFT_MAX_ENV
@@ -212,6 +213,7 @@ class Supervisor:
         self.probe_ok_at: float | None = None
         self._soft_read: set[str] = set()  # soft-fault records of the current engine already counted
         self._soft_cut: set[str] = set()  # API-side ids of the requests they cut
+        self._ipc_cache: EngineCacheShadow | None = None  # what the current engine core's cache holds
         self._set_state(EngineState.STOPPED)
         m.RESTART_BUDGET.set(settings.restart_max)
 
@@ -349,6 +351,7 @@ class Supervisor:
         generation = self.generation + 1
         watchdog.on_engine_core_output(engine, lambda: self._note_engine_step(generation))
         self._engine = self._latest = engine
+        self._ipc_cache = ipc_cache.shadow_for(engine)
         if self._serving_renderer is None:
             self._serving_renderer = engine.renderer
         self._pids = watchdog.engine_core_pids(engine)
@@ -466,6 +469,8 @@ class Supervisor:
             return
         for name, record in read_soft_faults(self.engine_dir(generation), skip=self._soft_read):
             self._soft_read.add(name)
+            if self._ipc_cache is not None:
+                self._ipc_cache.reset()  # the soft recovery emptied the engine core's processor cache
             self._soft_cut |= api_ids(record.cut)
             cause = watchdog.exception_cause(record.describe())
             m.ENGINE_DEATHS.labels(cause=cause.value).inc()
@@ -482,6 +487,11 @@ class Supervisor:
                 + ", ".join(sorted({inflight[r] for r in charged}))
                 if charged else "no request charged", record.describe()[:500],
             )  # fmt: skip
+
+    def ipc_cache(self, generation: int) -> EngineCacheShadow | None:
+        """What engine ``generation``'s engine core holds of the processed images sent to it (None: strip
+        nothing; a stale generation, or an engine core without a receiver cache)."""
+        return self._ipc_cache if generation == self.generation else None
 
     def take_cut(self, generation: int, request_id: str) -> bool:
         """Whether a soft recovery of engine ``generation`` cut ``request_id`` (it is then carried over; the

@@ -109,6 +109,11 @@ REQUESTS_REPLAYED = Counter(
 REQUESTS_RESUMED = Counter(
     "vlguard_requests_resumed", "Streams continued on a new engine from the tokens already sent."
 )
+MM_CACHE_RESENDS = Counter(
+    "vlguard_mm_cache_resends",
+    "Requests sent again with their image data after the engine core missed an item the guard had "
+    "stripped (its processor cache drifted from the guard's shadow of it).",
+)
 REQUESTS_FAILED = Counter(
     "vlguard_requests_failed",
     "Requests the guard could not save, by reason (hold_timeout, too_many_held, engine_failed, "

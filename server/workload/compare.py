@@ -5,9 +5,6 @@ Scenarios (systems A / B; every ratio printed is A / B):
 - ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost).
 - ``alignment``: vlguard with chunk alignment on vs off (deepstack patches as detected on both).
 - ``patches``: vlguard with the deepstack backports on vs off.
-- ``cache``: stock vLLM with the replay-safe processor cache vlguard uses (``processor_only``, through
-  vlguard's ``vlguard_replay_cache`` plugin) vs stock with its default split cache: what replay safety
-  costs vLLM itself, without the rest of vlguard.
 - ``kill``: vlguard vs stock, each SIGKILLed in its ``VLLM::EngineCore`` after ``kill_after`` successful
   requests. The stock server exits on engine death; the harness starts it again at once, as systemd's
   ``Restart=always`` would, so its recovery includes the cold start.
@@ -47,8 +44,6 @@ class System:
     name: str
     stock: bool = False
     guard_args: tuple[str, ...] = ()
-    stock_plugins: str = ""  # the stock server's VLLM_PLUGINS (vlguard's plugins are installed beside it)
-    env: tuple[tuple[str, str], ...] = ()
 
 
 SCENARIOS: dict[str, tuple[System, System]] = {
@@ -62,15 +57,6 @@ SCENARIOS: dict[str, tuple[System, System]] = {
         System("unpatched", guard_args=("--guard-patches", "off")),
     ),
     "kill": (System("vlguard"), System("stock", stock=True)),
-    "cache": (
-        System(
-            "replay_safe",
-            stock=True,
-            stock_plugins="vlguard_replay_cache",
-            env=(("VLGUARD_REPLAY_CACHE", "1"),),
-        ),
-        System("split", stock=True),
-    ),
 }
 
 #: Counters read from each server's /metrics before and after the measured rounds (their deltas are reported).
@@ -117,12 +103,12 @@ def trace_path(system: System, opts: CompareOptions) -> Path:
 
 
 def system_server(
-    system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str | None = None
+    system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str = ""
 ) -> ServerProcess:
     """The (not yet started) server of one side, its phase tracer on with ``opts.trace``
     (:func:`trace_path`). ``extra_env`` goes to every side; ``stock_plugins`` is the stock server's
-    ``VLLM_PLUGINS`` besides the tracer (default ``system.stock_plugins``, itself none by default:
-    vlguard's plugins, installed in the same environment, stay out of stock)."""
+    ``VLLM_PLUGINS`` besides the tracer (none by default: vlguard's plugins, installed in the same
+    environment, stay out of stock)."""
     log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
     log.write_bytes(b"")
     traced = {}
@@ -130,10 +116,9 @@ def system_server(
         trace = trace_path(system, opts)
         trace.write_bytes(b"")
         traced = {phase_trace.ENV: str(trace)}
-    extra_env = {**dict(system.env), **traced, **(extra_env or {})}
+    extra_env = {**traced, **(extra_env or {})}
     if system.stock:
-        plugins = system.stock_plugins if stock_plugins is None else stock_plugins
-        plugins = ",".join(p for p in (plugins, "vlguard_phase_trace" if opts.trace else "") if p)
+        plugins = ",".join(p for p in (stock_plugins or "", "vlguard_phase_trace" if opts.trace else "") if p)
         env = engine_env(VLLM_PLUGINS=plugins, **extra_env)
         return ServerProcess(stock_command(opts.model, *opts.serve_args), log, env=env, ready_path="/health")
     args = [*opts.serve_args, *system.guard_args]

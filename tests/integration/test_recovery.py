@@ -20,7 +20,7 @@ import pytest
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
-from tests.conftest import EAGER_POISON_WORD, slow_steps_flag
+from tests.conftest import EAGER_POISON_WORD, drop_mm_cache_flag, slow_steps_flag
 from tests.helpers import (
     carried_over,
     engine_core,
@@ -256,3 +256,40 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
     assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
     # The poison's own replay is one; at least one other request in flight was cut and carried over.
     assert carried_over(eager_server) >= carried + 2
+
+
+async def test_an_engine_core_missing_a_cached_image_gets_it_sent_again(
+    eager_server: ServerProcess, model_name: str
+) -> None:
+    """#16 on every lane: the guard sends an image the engine core holds as its hash; when the engine
+    core's cache has drifted from the guard's shadow of it (here: the fault plugin empties it before each
+    request), vLLM finishes the request with an error before any token, and the guard sends it again with
+    the image: the client sees the same answer as without the drift (a stream and a non-streaming request),
+    no engine fault, and ``vlguard_mm_cache_resends_total`` counts each."""
+    image = photo_uri("coffee.png")
+
+    def body(stream: bool) -> dict[str, object]:
+        return {"model": model_name, "messages": primary_messages(image), "max_tokens": 8, "temperature": 0,
+                "stream": stream, "logprobs": True, "return_tokens_as_token_ids": True}  # fmt: skip
+
+    async def answer(client: httpx.AsyncClient, stream: bool) -> tuple[int, object]:
+        if not stream:
+            resp = await client.post("/v1/chat/completions", json=body(stream))
+            return resp.status_code, [t["token"] for t in resp.json()["choices"][0]["logprobs"]["content"]]
+        async with client.stream("POST", "/v1/chat/completions", json=body(stream)) as resp:
+            return resp.status_code, sse_tokens([line async for line in resp.aiter_lines()])
+
+    deaths = metric(eager_server, "vlguard_engine_deaths_total")
+    async with httpx.AsyncClient(base_url=eager_server.url, timeout=300) as client:
+        reference = [await answer(client, stream) for stream in (False, True)]  # the image is held now
+        resends = await asyncio.to_thread(metric, eager_server, "vlguard_mm_cache_resends_total")
+        drop = drop_mm_cache_flag(eager_server)
+        drop.touch()
+        try:
+            drifted = [await answer(client, stream) for stream in (False, True)]
+        finally:
+            drop.unlink()
+    assert reference[0][0] == 200 and len(reference[0][1]) == 8  # type: ignore[arg-type]
+    assert drifted == reference
+    assert metric(eager_server, "vlguard_mm_cache_resends_total") == resends + 2
+    assert metric(eager_server, "vlguard_engine_deaths_total") == deaths

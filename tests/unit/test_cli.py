@@ -43,7 +43,7 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
     changes = cfg["vlguard_changes"]  # every change to vLLM's behaviour, one line each
     assert set(changes) == {"scheduler_cls", "additional_config", "mm_processor_cache_type", "model", "compile_cache"}
-    assert changes["mm_processor_cache_type"].startswith("processor_only where vLLM would choose lru or shm")
+    assert changes["mm_processor_cache_type"].startswith("lru (shm becomes lru), its API half kept")
 
 
 @pytest.mark.full_only  # vlguard's own order of start-up (bind, then build): the same on every lane; 14-22 s

@@ -67,25 +67,40 @@ def test_a_broken_location_is_an_error_not_a_fallback(tmp_path: Path, monkeypatc
 
 
 def test_cache_type_chooser_is_wrapped_where_the_lane_defines_it() -> None:
-    from server.guard.replay_cache import replay_safe
+    from server.guard.replay_cache import engine_receiver
 
     module, owner = compat.CACHE_TYPE_CHOOSERS[0 if NEW_LAYOUT[VLLM_VERSION] else -1]
     target = importlib.import_module(module)
     target = getattr(target, owner) if owner else target
     original = target._get_cache_type
     try:
-        where = compat.wrap_mm_cache_type(replay_safe)
+        where = compat.wrap_mm_cache_type(engine_receiver)
         assert where == ".".join(filter(None, (module, owner, "_get_cache_type")))
         assert target._get_cache_type.__wrapped__ is original
     finally:
         target._get_cache_type = original
 
 
-@pytest.mark.parametrize(("chosen", "replay_safe_choice"), [
-    ("lru", "processor_only"), ("shm", "processor_only"), ("processor_only", "processor_only"), (None, None),
-])  # fmt: skip
-def test_split_caches_become_processor_only(chosen: str | None, replay_safe_choice: str | None) -> None:
+def test_processor_cache_factory_is_wrapped_where_the_lanes_renderer_calls_it() -> None:
     from server.guard.replay_cache import replay_safe
+
+    module, owner = compat.PROCESSOR_CACHE_FACTORIES[0 if NEW_LAYOUT[VLLM_VERSION] else -1]
+    target = importlib.import_module(module)
+    target = getattr(target, owner) if owner else target
+    original = target.processor_cache_from_config
+    try:
+        where = compat.wrap_mm_processor_cache_factory(replay_safe)
+        assert where == ".".join(filter(None, (module, owner, "processor_cache_from_config")))
+        assert target.processor_cache_from_config.__wrapped__ is original
+    finally:
+        target.processor_cache_from_config = original
+
+
+@pytest.mark.parametrize(("chosen", "engine_choice"), [
+    ("lru", "lru"), ("shm", "lru"), ("processor_only", "processor_only"), (None, None),
+])  # fmt: skip
+def test_engine_processes_keep_a_receiver_cache(chosen: str | None, engine_choice: str | None) -> None:
+    from server.guard.replay_cache import engine_receiver
 
     def method(self: object, vllm_config: object) -> str | None:  # the 0.20 - 0.22 signature
         return chosen
@@ -93,5 +108,29 @@ def test_split_caches_become_processor_only(chosen: str | None, replay_safe_choi
     def function(vllm_config: object) -> str | None:  # the 0.32 signature
         return chosen
 
-    assert replay_safe(method)(object(), object()) == replay_safe_choice
-    assert replay_safe(function)(object()) == replay_safe_choice
+    assert engine_receiver(method)(object(), object()) == engine_choice
+    assert engine_receiver(function)(object()) == engine_choice
+
+
+def test_the_renderer_gets_processor_only_where_vllm_builds_its_lru_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from vllm.multimodal.cache import MultiModalProcessorOnlyCache
+
+    from server.guard import replay_cache
+
+    monkeypatch.setattr(replay_cache, "_replaced", False)
+    mm = SimpleNamespace(mm_processor_cache_gb=0.01)
+    config = SimpleNamespace(model_config=SimpleNamespace(get_multimodal_config=lambda: mm))
+    sender = compat.lru_sender_cache(config.model_config)
+    assert type(sender).__name__ == compat.LRU_SENDER_CACHES[0 if NEW_LAYOUT[VLLM_VERSION] else -1]
+
+    def method(self: object, vllm_config: object) -> object:  # the 0.20 - 0.22 signature
+        return sender
+
+    def function(vllm_config: object) -> object:  # the 0.32 signature
+        return None
+
+    assert replay_cache.replay_safe(function)(config) is None and not replay_cache.engine_keeps_cache()
+    assert isinstance(replay_cache.replay_safe(method)(object(), config), MultiModalProcessorOnlyCache)
+    assert replay_cache.engine_keeps_cache()

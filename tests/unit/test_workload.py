@@ -191,18 +191,17 @@ def test_the_compare_waits_for_a_spare_only_where_vlguard_keeps_one() -> None:
     assert not keeps_spare(srv(VLGUARD_SPARE="off")) and not keeps_spare(srv("--guard-spare", "off"))
 
 
-def test_the_cache_scenario_runs_stock_twice_one_with_the_replay_safe_cache_plugin(tmp_path: Path) -> None:
+def test_the_overhead_scenarios_stock_side_runs_no_vlguard_plugin_but_the_tracer(tmp_path: Path) -> None:
     from server.guard.replay_cache import ENV
     from server.workload.compare import SCENARIOS, CompareOptions, system_server
 
-    opts = CompareOptions(model="m", scenario="cache", out=tmp_path)
-    safe, split = (system_server(system, opts) for system in SCENARIOS["cache"])
-    assert "vllm.entrypoints.openai.api_server" in " ".join(safe.argv) and " ".join(safe.argv) == " ".join(split.argv)
-    assert (safe.env["VLLM_PLUGINS"], safe.env[ENV]) == ("vlguard_replay_cache,vlguard_phase_trace", "1")
-    assert split.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and ENV not in split.env  # vLLM's own split cache
+    opts = CompareOptions(model="m", scenario="overhead", out=tmp_path)
+    guarded, stock = (system_server(system, opts) for system in SCENARIOS["overhead"])
+    assert "vllm.entrypoints.openai.api_server" in " ".join(stock.argv)
+    assert stock.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and ENV not in stock.env  # vLLM's own split cache
     # both sides traced, each to its own file; --no-trace: neither
-    assert safe.env["VLGUARD_PHASE_TRACE"] != split.env["VLGUARD_PHASE_TRACE"]
+    assert guarded.env["VLGUARD_PHASE_TRACE"] != stock.env["VLGUARD_PHASE_TRACE"]
     untraced = system_server(
-        SCENARIOS["cache"][1], CompareOptions(model="m", scenario="cache", out=tmp_path, trace=False)
+        SCENARIOS["overhead"][1], CompareOptions(model="m", scenario="overhead", out=tmp_path, trace=False)
     )
     assert untraced.env["VLLM_PLUGINS"] == "" and "VLGUARD_PHASE_TRACE" not in untraced.env

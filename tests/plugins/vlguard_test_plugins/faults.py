@@ -19,6 +19,10 @@ output of a step holding such a request, in the engine-core process (not the wor
 ``SLOW_STEP_S``: requests decode for a known minimum time, so a test can send a fault while they are in
 the engine without making them long (the test creates the file, and removes it when done).
 
+``VLGUARD_TEST_DROP_MM_CACHE_IF=/path``: while that file exists, the engine core empties its multimodal
+receiver cache before adding each request: an image the API side sends as a hash is then missing (the
+drift between the two halves of vLLM's split processor cache).
+
 ``VLGUARD_TEST_FAIL_START_IF=/path``: an engine whose processes start while that file exists fails
 during start-up (plugin loading raises in the engine core), so in-process restarts keep failing.
 """
@@ -38,6 +42,7 @@ DEVICE_ONCE_ENV = "VLGUARD_TEST_POISON_DEVICE_ONCE"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"
 SLOW_STEP_S = 0.025
+DROP_MM_CACHE_ENV = "VLGUARD_TEST_DROP_MM_CACHE_IF"
 logger = logging.getLogger("vllm.vlguard.test_faults")
 
 
@@ -56,6 +61,8 @@ def register() -> None:
         _poison_model_runner(raise_on, exit_on, device_on, slow_flag)
     if core_on := _needle(POISON_CORE_ENV):
         _poison_scheduler(core_on)
+    if drop_flag := os.environ.get(DROP_MM_CACHE_ENV):
+        _drop_mm_cache(drop_flag)
 
 
 def _new_prompts(scheduler_output: Any) -> list[list[int]]:
@@ -102,6 +109,22 @@ def _poison_scheduler(core_on: list[int]) -> None:
     update_from_output.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     logger.warning("vlguard test plugin: steps holding tokens %s fail in the engine core", core_on)
+
+
+def _drop_mm_cache(flag: str) -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.preprocess_add_request
+    if getattr(original, "__vlguard_test_fault__", False):
+        return
+
+    def preprocess_add_request(self: Any, request: Any) -> Any:
+        if os.path.exists(flag) and getattr(self, "mm_receiver_cache", None) is not None:
+            self.mm_receiver_cache.clear_cache()
+        return original(self, request)
+
+    preprocess_add_request.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
+    EngineCore.preprocess_add_request = preprocess_add_request  # type: ignore[method-assign]
 
 
 def _first_time(flag: str | None) -> bool:
