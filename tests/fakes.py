@@ -180,7 +180,6 @@ class FakeEngine:
                   "step_requests": step, "new_requests": step, "cut": step, "recovery_s": 0.001}  # fmt: skip
         (Path(self.fatal_dir) / f"soft-{self.generation}-{self.soft_faults}.json").write_text(json.dumps(record))
         self._cut |= self.active
-        self.held.clear()  # a soft recovery resets the engine core's processor cache
 
     async def _generate(self, ids: list[int], sampling_params: Any, request_id: str) -> AsyncGenerator[Any, None]:
         from vllm.outputs import CompletionOutput, RequestOutput

@@ -13,8 +13,9 @@ current. When the engine dies under a request:
   and recorded why) is carried over the same way, onto the same engine;
 * a request with a strike (it was in the failing step of an earlier fault) runs on probation, isolated
   (:mod:`server.guard.inflight`), so its next fault is charged to it alone;
-* a processed image the current engine core holds is sent as its hash (:mod:`server.guard.ipc_cache`);
-  if the engine core turns out not to hold it (its cache drifted), the request is sent again whole;
+* a processed image the current engine core holds is sent as its hash (:mod:`server.guard.ipc_cache`;
+  ``n == 1`` requests only); if the engine core turns out not to hold it (its cache drifted), the request
+  is sent again whole, once;
 * where resuming is impossible (``n > 1``, cumulative outputs, a prompt without token ids) or the
   request is quarantined, the error propagates: a stream then ends with an OpenAI error event.
 """
@@ -129,7 +130,8 @@ class GuardedEngineClient:
                 # The death is reported while this request is still on the ledger: it was in flight.
                 with sup.inflight.entered(request_id, fp, generation):
                     stripped = False  # images this engine core holds go as their hashes (last, after waits)
-                    if not whole and (shadow := sup.ipc_cache(generation)) is not None:
+                    # Not for n > 1: a stream's samples come apart, so a miss would not be seen as one.
+                    if not whole and single and (shadow := sup.ipc_cache(generation)) is not None:
                         attempt_prompt, stripped = shadow.strip(attempt_prompt)
                     try:
                         cut = missed = False

@@ -6,13 +6,15 @@ core (a replay after a rebuild) or to one whose cache a soft recovery emptied, a
 probation) can reorder requests between rendering and sending. So vlguard renders with vLLM's
 ``processor_only`` cache (the rendered prompt always carries the data; :mod:`server.guard.replay_cache`)
 and strips here, as the request is sent to one engine core, against a shadow of *that* engine core's
-receiver cache: vLLM's own API half of the split cache (``lru`` sender), one per engine core, reset when
-the engine core's cache is.
+receiver cache: vLLM's own API half of the split cache (``lru`` sender), one per engine core (a soft
+recovery keeps the engine core's cache, and with it the shadow).
 
 A shadow can still drift from the receiver (requests that reach the engine core in another order than
-they were stripped, a cache reset the API side has not seen yet): the engine core then finishes the
-request with ``ERROR`` and no token (vLLM's receiver-miss handling; vLLM 0.32.0 marks it retryable), and
-the engine client sends it again whole (:func:`cache_miss`, :mod:`server.guard.engine_client`).
+they were stripped, a reset through vLLM's own ``reset_mm_cache``): the engine core then finishes the
+request with ``ERROR`` and no token (vLLM's handling of an error while adding a request; 0.32.0 names the
+missing hashes), and the engine client sends it again whole, once (:func:`cache_miss`,
+:mod:`server.guard.engine_client`). Any other error a stripped request meets while being added is sent
+again once the same way, then passed on.
 """
 
 from __future__ import annotations
@@ -78,10 +80,6 @@ class EngineCacheShadow:
             return prompt, False
         container: Any = type(kwargs)  # vLLM's MultiModalKwargsItems (a dict by modality)
         return {**prompt, "mm_kwargs": container(sent)}, True
-
-    def reset(self) -> None:
-        """The engine core's receiver cache was emptied (a soft recovery): forget everything sent."""
-        self._sender.clear_cache()
 
 
 def shadow_for(engine: Any) -> EngineCacheShadow | None:

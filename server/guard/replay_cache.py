@@ -4,7 +4,8 @@ vLLM's default processor cache (``lru``) is split across processes: the API proc
 images it has sent and sends a repeat *without* its data; the engine core's receiver cache keeps the
 data. A replay or resume re-submits such an input to an engine core that may never have seen it (a
 rebuilt one, or one whose caches a soft recovery reset): vLLM fails it with "Expected a cached item for
-mm_hash" (the same class as upstream vllm#31404; vLLM 0.32.0 returns it as a retryable error instead).
+mm_hash" (the same class as upstream vllm#31404; vLLM 0.32.0 finishes the request with an error and
+tells its API side which hashes were missing).
 
 vlguard keeps both halves but moves the stripping to where the guard can undo it:
 
@@ -31,7 +32,8 @@ from typing import Any
 
 ENV = "VLGUARD_REPLAY_CACHE"
 logger = logging.getLogger("vllm.vlguard.replay_cache")
-_installed_at: str | None = None
+_chooser_at: str | None = None  # where the chooser was wrapped (engine_receiver), in this process
+_factory_at: str | None = None  # where the API-side factory was wrapped (replay_safe), in this process
 #: set when this (API) process's renderer was given ``processor_only`` where vLLM built its lru sender.
 _replaced = False
 
@@ -85,13 +87,14 @@ def install() -> str:
     Raises:
         ImportError: the installed vLLM has no known cache-type chooser or processor cache factory.
     """
-    global _installed_at
-    if _installed_at is None:
-        from server.compat import wrap_mm_cache_type, wrap_mm_processor_cache_factory
+    global _chooser_at, _factory_at
+    from server.compat import wrap_mm_cache_type, wrap_mm_processor_cache_factory
 
-        factory = wrap_mm_processor_cache_factory(replay_safe)
-        _installed_at = f"{wrap_mm_cache_type(engine_receiver)}, {factory}"
-    return _installed_at
+    if _factory_at is None:  # also when the plugin already wrapped the chooser (the variable was inherited)
+        _factory_at = wrap_mm_processor_cache_factory(replay_safe)
+    if _chooser_at is None:
+        _chooser_at = wrap_mm_cache_type(engine_receiver)
+    return f"{_chooser_at}, {_factory_at}"
 
 
 def plugin_installed() -> bool:
@@ -104,15 +107,15 @@ def plugin_installed() -> bool:
 
 
 def register() -> None:
-    """Plugin entry point: the chooser's engine form when ``VLGUARD_REPLAY_CACHE=1`` and this process has
-    not installed the API form (``vlguard serve`` installs that in its own process first). Never raises."""
-    global _installed_at
-    if os.environ.get(ENV) != "1" or _installed_at is not None:
+    """Plugin entry point: the chooser's engine form when ``VLGUARD_REPLAY_CACHE=1``, unless already
+    wrapped in this process (by :func:`install`, which also wraps the API-side factory). Never raises."""
+    global _chooser_at
+    if os.environ.get(ENV) != "1" or _chooser_at is not None:
         return
     try:
         from server.compat import wrap_mm_cache_type
 
-        _installed_at = wrap_mm_cache_type(engine_receiver)
-        logger.info("vlguard: engine-side multimodal receiver cache in this process (%s wrapped)", _installed_at)
+        _chooser_at = wrap_mm_cache_type(engine_receiver)
+        logger.info("vlguard: engine-side multimodal receiver cache in this process (%s wrapped)", _chooser_at)
     except Exception:
         logger.exception("vlguard: engine form of the processor cache not installed in this process")

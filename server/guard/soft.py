@@ -10,7 +10,9 @@ exception there comes back through the executor) and processes the output. When 
 2. finishes **every** request the scheduler holds with ``FINISHED_ERROR`` (their KV blocks, encoder-cache
    entries and worker-side state are freed; the model runner drops them with the next step);
 3. resets the prefix cache (no block is in use any more, so no block written in the failed step can be
-   served again), the encoder cache (scheduler and workers) and the engine-side multimodal cache;
+   served again) and the encoder cache (scheduler and workers); the engine core's multimodal processor
+   cache is kept (it holds inputs as they arrived, which no step writes; the guard's shadow of it,
+   :mod:`server.guard.ipc_cache`, stays valid, and resetting it here would race vLLM's input thread);
 4. writes ``soft-<pid>-<n>.json`` in ``$VLGUARD_STATE_DIR`` (the exception, the failing step's requests,
    every request cut), then sends each cut request an ``ERROR`` finish with no tokens.
 
@@ -236,7 +238,6 @@ def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int
     if not scheduler.reset_prefix_cache():
         raise _Unabsorbable("the prefix cache could not be reset (blocks still in use)")
     core.reset_encoder_cache()
-    core.reset_mm_cache()
     record = SoftFault(
         type=type(exc).__name__,
         message=str(exc)[:2000],

@@ -469,8 +469,6 @@ class Supervisor:
             return
         for name, record in read_soft_faults(self.engine_dir(generation), skip=self._soft_read):
             self._soft_read.add(name)
-            if self._ipc_cache is not None:
-                self._ipc_cache.reset()  # the soft recovery emptied the engine core's processor cache
             self._soft_cut |= api_ids(record.cut)
             cause = watchdog.exception_cause(record.describe())
             m.ENGINE_DEATHS.labels(cause=cause.value).inc()

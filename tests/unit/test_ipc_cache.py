@@ -68,8 +68,8 @@ def test_a_repeat_goes_as_its_hash_and_the_rendered_prompt_keeps_its_data() -> N
     assert type(again["mm_kwargs"]) is MultiModalKwargsItems and again["prompt_token_ids"] == [1, 2, 3]
     mixed, stripped = shadow.strip(prompt("h1", "h2"))
     assert stripped and sent_data(mixed) == [False, True]
-    shadow.reset()
-    assert sent_data(shadow.strip(prompt("h1", "h2"))[0]) == [True, True]
+    fresh = EngineCacheShadow(lru_sender_cache(model_config()))  # a rebuilt engine core's
+    assert sent_data(fresh.strip(prompt("h1", "h2"))[0]) == [True, True]
 
 
 def test_the_shadow_evicts_as_the_receiver_does() -> None:
@@ -133,6 +133,7 @@ async def test_a_stripped_request_replayed_after_a_rebuild_reaches_the_new_engin
     """The trap of #16: the request was stripped for the first engine core, which then died."""
     first = guard.factory.current
     await guard.ask(prompt("h1"), "a")
+    resends = m.MM_CACHE_RESENDS._value.get()
     first.pause()
     n = len(first.requests)
     stream = asyncio.create_task(guard.ask(prompt("h1"), "b", max_tokens=6, stream=True))
@@ -142,6 +143,17 @@ async def test_a_stripped_request_replayed_after_a_rebuild_reaches_the_new_engin
     assert await asyncio.wait_for(stream, WAIT_S) == greedy_tokens([1, 2, 3], 6)
     second = guard.factory.current
     assert second is not first and sent_data(second.inputs["b"]) == [True]
+    assert m.MM_CACHE_RESENDS._value.get() == resends  # whole at once, not after a miss
+
+
+async def test_requests_with_several_samples_are_sent_whole(guard: Guard) -> None:
+    """A stream's samples reach the engine client one by one: a miss could not be told from an error."""
+    engine = guard.factory.current
+    await guard.ask(prompt("h1"), "a")
+    params = SamplingParams(max_tokens=2, temperature=1.0, n=2, output_kind=RequestOutputKind.DELTA)
+    async for _ in guard.client.generate(prompt("h1"), params, "b"):
+        pass
+    assert sent_data(engine.inputs["b"]) == [True]
 
 
 async def test_a_receiver_miss_is_sent_again_whole(guard: Guard) -> None:
@@ -155,7 +167,7 @@ async def test_a_receiver_miss_is_sent_again_whole(guard: Guard) -> None:
     assert guard.sup.state is EngineState.READY
 
 
-async def test_a_soft_recovery_empties_the_shadow_with_the_engine_cores_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_soft_recovery_keeps_the_engine_cores_cache_and_the_shadow(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(replay_cache, "_replaced", True)
     g = Guard(soft=True, poison=[666])
     await g.sup.start()
@@ -166,8 +178,9 @@ async def test_a_soft_recovery_empties_the_shadow_with_the_engine_cores_cache(mo
         with pytest.raises(Exception):  # noqa: B017 - charged and quarantined or refused: not this test's point
             await g.ask(poisoned, "p")
         resends = m.MM_CACHE_RESENDS._value.get()
+        assert engine.soft_faults >= 1 and g.factory.current is engine
         await g.ask(prompt("h1"), "c")
-        assert sent_data(engine.inputs["c"]) == [True] and m.MM_CACHE_RESENDS._value.get() == resends
+        assert sent_data(engine.inputs["c"]) == [False] and m.MM_CACHE_RESENDS._value.get() == resends
     finally:
         await g.sup.shutdown()
 
@@ -186,3 +199,24 @@ def test_only_a_first_error_without_tokens_after_stripping_is_a_miss() -> None:
     assert not cache_miss(out("error", []), stripped=True, first=False)
     assert not cache_miss(out("error", [5]), stripped=True, first=True)
     assert not cache_miss(out("length", []), stripped=True, first=True)
+
+
+def test_serve_wraps_the_factory_even_where_the_plugin_wrapped_the_chooser_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """VLGUARD_REPLAY_CACHE=1 inherited by the API process: vLLM loads the plugin before serve installs."""
+    import server.compat as compat
+
+    wrapped: list[str] = []
+    monkeypatch.setattr(compat, "wrap_mm_cache_type", lambda wrap: wrapped.append(wrap.__name__) or "chooser")
+    monkeypatch.setattr(
+        compat, "wrap_mm_processor_cache_factory", lambda wrap: wrapped.append(wrap.__name__) or "factory"
+    )
+    monkeypatch.setattr(replay_cache, "_chooser_at", None)
+    monkeypatch.setattr(replay_cache, "_factory_at", None)
+    monkeypatch.setenv(replay_cache.ENV, "1")
+    replay_cache.register()
+    assert replay_cache.install() == "chooser, factory"
+    replay_cache.register()
+    assert replay_cache.install() == "chooser, factory"
+    assert wrapped == ["engine_receiver", "replay_safe"]  # each once

@@ -197,8 +197,7 @@ def test_absorbing_resets_the_engine_then_records_then_finishes_the_requests(
         "device_check",
         "finish",
         "reset_prefix_cache",
-        "reset_encoder_cache",
-        "reset_mm_cache",
+        "reset_encoder_cache",  # not the multimodal processor cache: the guard's shadow of it stays valid
         f"outputs ['a-1', 'b-2'] after ['{name}']",
     ]
     assert (record.type, record.step_requests, record.cut) == ("ValueError", ["b-2"], ["a-1", "b-2"])
