@@ -99,6 +99,19 @@ CACHE_TYPE_CHOOSERS: tuple[tuple[str, str | None], ...] = (
 )
 
 
+def _wrap_first(locations: tuple[tuple[str, str | None], ...], name: str, wrap: Callable[..., Any]) -> str | None:
+    """Replace ``name`` at the first of ``locations`` (module, class or None) that defines it by
+    ``wrap(original)``; returns the qualified name replaced, None where no location defines it."""
+    for module, owner in locations:
+        if (mod := _import_if_present(module)) is None:
+            continue
+        target: Any = getattr(mod, owner, None) if owner else mod
+        if target is not None and hasattr(target, name):
+            setattr(target, name, wrap(getattr(target, name)))
+            return ".".join(filter(None, (module, owner, name)))
+    return None
+
+
 def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> str:
     """Replace vLLM's ``_get_cache_type`` (the processor cache type chooser) by ``wrap(original)``.
     ``wrap`` must accept both signatures (``(vllm_config)`` and ``(self, vllm_config)``).
@@ -108,14 +121,9 @@ def wrap_mm_cache_type(wrap: Callable[[Callable[..., Any]], Callable[..., Any]])
     Raises:
         ImportError: no known location defines the chooser (an unsupported vLLM version).
     """
-    for module, owner in CACHE_TYPE_CHOOSERS:
-        if (mod := _import_if_present(module)) is None:
-            continue
-        target: Any = getattr(mod, owner, None) if owner else mod
-        if target is not None and hasattr(target, "_get_cache_type"):
-            target._get_cache_type = wrap(target._get_cache_type)
-            return ".".join(filter(None, (module, owner, "_get_cache_type")))
-    raise ImportError("vLLM's multimodal cache type chooser was not found: unsupported vLLM version")
+    if (where := _wrap_first(CACHE_TYPE_CHOOSERS, "_get_cache_type", wrap)) is None:
+        raise ImportError("vLLM's multimodal cache type chooser was not found: unsupported vLLM version")
+    return where
 
 
 #: Where vLLM's renderer builds its API-side processor cache, newest vLLM first: (module, class or None).
@@ -136,14 +144,9 @@ def wrap_mm_processor_cache_factory(wrap: Callable[[Callable[..., Any]], Callabl
     Raises:
         ImportError: no known location defines it (an unsupported vLLM version).
     """
-    for module, owner in PROCESSOR_CACHE_FACTORIES:
-        if (mod := _import_if_present(module)) is None:
-            continue
-        target: Any = getattr(mod, owner, None) if owner else mod
-        if target is not None and hasattr(target, "processor_cache_from_config"):
-            target.processor_cache_from_config = wrap(target.processor_cache_from_config)
-            return ".".join(filter(None, (module, owner, "processor_cache_from_config")))
-    raise ImportError("vLLM's multimodal processor cache factory was not found: unsupported vLLM version")
+    if (where := _wrap_first(PROCESSOR_CACHE_FACTORIES, "processor_cache_from_config", wrap)) is None:
+        raise ImportError("vLLM's multimodal processor cache factory was not found: unsupported vLLM version")
+    return where
 
 
 def lru_sender_cache(model_config: Any) -> Any:

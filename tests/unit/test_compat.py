@@ -9,6 +9,7 @@ import importlib
 import inspect
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,34 +67,36 @@ def test_a_broken_location_is_an_error_not_a_fallback(tmp_path: Path, monkeypatc
         compat.vllm_symbol("thing")
 
 
-def test_cache_type_chooser_is_wrapped_where_the_lane_defines_it() -> None:
-    from server.guard.replay_cache import engine_receiver
+#: where each lane's renderer chooses and builds its processor cache (0.32 layout, older layout).
+CACHE_HOOKS = {
+    "_get_cache_type": (
+        "vllm.multimodal.cache.factories._get_cache_type",
+        "vllm.multimodal.registry.MultiModalRegistry._get_cache_type",
+    ),
+    "processor_cache_from_config": (
+        "vllm.renderers.base.processor_cache_from_config",
+        "vllm.multimodal.registry.MultiModalRegistry.processor_cache_from_config",
+    ),
+}
 
-    module, owner = compat.CACHE_TYPE_CHOOSERS[0 if NEW_LAYOUT[VLLM_VERSION] else -1]
-    target = importlib.import_module(module)
-    target = getattr(target, owner) if owner else target
-    original = target._get_cache_type
+
+@pytest.mark.parametrize("name", sorted(CACHE_HOOKS))
+def test_processor_cache_hooks_are_wrapped_where_the_lane_defines_them(name: str) -> None:
+    from server.guard.replay_cache import engine_receiver, replay_safe
+
+    expected = CACHE_HOOKS[name][0 if NEW_LAYOUT[VLLM_VERSION] else 1]
+    owner_path, _, attr = expected.rpartition(".")
+    module, _, cls = owner_path.rpartition(".")
+    target: Any = (
+        importlib.import_module(owner_path) if cls.islower() else getattr(importlib.import_module(module), cls)
+    )
+    original = getattr(target, attr)
+    wrap = compat.wrap_mm_cache_type if name == "_get_cache_type" else compat.wrap_mm_processor_cache_factory
     try:
-        where = compat.wrap_mm_cache_type(engine_receiver)
-        assert where == ".".join(filter(None, (module, owner, "_get_cache_type")))
-        assert target._get_cache_type.__wrapped__ is original
+        assert wrap(engine_receiver if name == "_get_cache_type" else replay_safe) == expected
+        assert getattr(target, attr).__wrapped__ is original
     finally:
-        target._get_cache_type = original
-
-
-def test_processor_cache_factory_is_wrapped_where_the_lanes_renderer_calls_it() -> None:
-    from server.guard.replay_cache import replay_safe
-
-    module, owner = compat.PROCESSOR_CACHE_FACTORIES[0 if NEW_LAYOUT[VLLM_VERSION] else -1]
-    target = importlib.import_module(module)
-    target = getattr(target, owner) if owner else target
-    original = target.processor_cache_from_config
-    try:
-        where = compat.wrap_mm_processor_cache_factory(replay_safe)
-        assert where == ".".join(filter(None, (module, owner, "processor_cache_from_config")))
-        assert target.processor_cache_from_config.__wrapped__ is original
-    finally:
-        target.processor_cache_from_config = original
+        setattr(target, attr, original)
 
 
 @pytest.mark.parametrize(("chosen", "engine_choice"), [
