@@ -59,7 +59,9 @@ def guarded(
 ) -> Iterator[ServerProcess]:
     """Own launch: its engine is killed, stopped and poisoned, and it ends with SIGTERM (the module's
     last test); short guard timeouts and a systemd notify socket."""
+    logs = tmp_path_factory.mktemp("logs")
     env = engine_env(
+        VLGUARD_TEST_SLOW_STEPS_IF=str(logs / "slow-steps"),
         VLGUARD_TEST_POISON_TOKENS=",".join(map(str, poison_ids[POISON_WORD])),
         VLGUARD_TEST_POISON_EXIT_TOKENS=",".join(map(str, poison_ids[EXIT_WORD])),
         VLGUARD_TEST_POISON_DEVICE_TOKENS=",".join(map(str, poison_ids[DEVICE_WORD])),
@@ -68,7 +70,7 @@ def guarded(
         NOTIFY_SOCKET=str(notify.path),
         WATCHDOG_USEC="2000000",
     )
-    srv = ServerProcess(vlguard_argv(tiny_model, *GUARD_FLAGS), tmp_path_factory.mktemp("logs") / "guard.log", env=env)
+    srv = ServerProcess(vlguard_argv(tiny_model, *GUARD_FLAGS), logs / "guard.log", env=env)
     srv.start().wait_ready()
     srv.initial_metrics = httpx.get(srv.url + "/metrics").text  # type: ignore[attr-defined]
     yield srv
@@ -281,18 +283,26 @@ def test_engine_core_fault_is_absorbed_under_a_live_stream(guarded: ServerProces
     client = client_for(guarded)
     poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     messages = [{"role": "user", "content": "List the checks before entering a confined space."}]
-    n_tokens = 1000  # ~3 s of decoding: still running when the poison arrives
+    n_tokens = 1000
     reference, error = stream_tokens(guarded, model_name, messages, n_tokens)
     assert error is None and len(reference) == n_tokens
     before, resumed = recoveries(guarded), metric(guarded, "vlguard_requests_resumed_total")
     got_some = threading.Event()
     poison = [{"role": "user", "content": f"Please check{CORE_WORD} now."}]
-    with ThreadPoolExecutor(2) as pool:
-        stream = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
-        assert got_some.wait(60)
-        with pytest.raises(Exception, match="quarantined"):
-            client.chat.completions.create(model=model_name, messages=poison, max_tokens=4)  # type: ignore[arg-type]
-        ids, error = stream.result()
+    # Every step 25 ms slower until the poison is answered: the stream (>= 25 s of steps) is still decoding
+    # at both of its faults however fast the machine (3 s of decoding once finished first in CI).
+    slow = Path(guarded.env["VLGUARD_TEST_SLOW_STEPS_IF"])
+    slow.touch()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            stream = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
+            assert got_some.wait(60)
+            with pytest.raises(Exception, match="quarantined"):
+                client.chat.completions.create(model=model_name, messages=poison, max_tokens=4)  # type: ignore[arg-type]
+            slow.unlink()
+            ids, error = stream.result()
+    finally:
+        slow.unlink(missing_ok=True)
     assert error is None
     assert ids == reference
     after = recoveries(guarded)
