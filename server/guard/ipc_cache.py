@@ -2,8 +2,8 @@
 
 vLLM's split processor cache strips a repeated image from the request when it is *rendered*, trusting
 that the engine core that will run it holds the data. The guard may send a request to another engine
-core (a replay after a rebuild) or to one whose cache a soft recovery emptied, and its own waits (hold,
-probation) can reorder requests between rendering and sending. So vlguard renders with vLLM's
+core (a replay after a rebuild), and its own waits (hold, probation) can reorder requests between
+rendering and sending. So vlguard renders with vLLM's
 ``processor_only`` cache (the rendered prompt always carries the data; :mod:`server.guard.replay_cache`)
 and strips here, as the request is sent to one engine core, against a shadow of *that* engine core's
 receiver cache: vLLM's own API half of the split cache (``lru`` sender), one per engine core (a soft
