@@ -53,6 +53,16 @@ def greedy_tokens(prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
+def _error_finish(request_id: str, ids: list[int]) -> Any:
+    """A request's last output when the engine finished it with ``ERROR`` and no token."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    done = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                            finish_reason="error")  # fmt: skip
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                         outputs=[done], finished=True)  # fmt: skip
+
+
 class FakeEngine:
     """One engine life. Build it through :class:`FakeEngineFactory` (or directly in a running loop).
 
@@ -137,12 +147,7 @@ class FakeEngine:
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else [len(str(prompt))]
         self.inputs[request_id] = prompt
         if self.receiver and not self._receive(prompt):
-            from vllm.outputs import CompletionOutput, RequestOutput
-
-            yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
-                                outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
-                                                          logprobs=None, finish_reason="error")],
-                                finished=True)  # fmt: skip
+            yield _error_finish(request_id, ids)
             return
         self.active.add(request_id)
         try:
@@ -201,10 +206,7 @@ class FakeEngine:
                 self._absorb_step_exception()
             if request_id in self._cut:
                 self._cut.discard(request_id)
-                yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
-                                    outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
-                                                              logprobs=None, finish_reason="error")],
-                                    finished=True)  # fmt: skip
+                yield _error_finish(request_id, ids)
                 return
             if step == 0 and self._poisoned(ids):
                 self._record_step_exception("RuntimeError", "vlguard test fault: poison request reached the model")

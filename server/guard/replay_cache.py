@@ -3,17 +3,17 @@
 vLLM's default processor cache (``lru``) is split across processes: the API process remembers which
 images it has sent and sends a repeat *without* its data; the engine core's receiver cache keeps the
 data. A replay or resume re-submits such an input to an engine core that may never have seen it (a
-rebuilt one, or one whose caches a soft recovery reset): vLLM fails it with "Expected a cached item for
-mm_hash" (the same class as upstream vllm#31404; vLLM 0.32.0 finishes the request with an error and
-tells its API side which hashes were missing).
+rebuilt one): vLLM fails it with "Expected a cached item for mm_hash" (the same class as upstream
+vllm#31404; vLLM 0.32.0 finishes the request with an error and tells its API side which hashes were
+missing).
 
 vlguard keeps both halves but moves the stripping to where the guard can undo it:
 
 * **API process** (installed by ``vlguard serve``): vLLM's renderer gets a ``processor_only`` cache
   where vLLM would build the API half of ``lru``: a repeated image skips Hugging Face preprocessing as on
-  stock vLLM, and the rendered prompt always carries the processed data. The guard's engine client then strips, per
-  engine core, what that engine core already holds (:mod:`server.guard.ipc_cache`): a repeat crosses the
-  socket as a hash, as on stock, while a replay to a new engine core is sent whole.
+  stock vLLM, and the rendered prompt always carries the processed data. The guard's engine client then
+  strips, per engine core, what that engine core already holds (:mod:`server.guard.ipc_cache`): a
+  repeat crosses the socket as a hash, as on stock, while a replay to a new engine core is sent whole.
 * **Every vLLM process** (the API process at install, engine processes through this plugin when
   ``VLGUARD_REPLAY_CACHE=1``, or by inheritance when forked): ``shm`` (whose data the API process would
   write to shared memory) becomes ``lru``; the engine core keeps ``lru``'s receiver cache.
