@@ -86,11 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario",
         choices=[*sorted(compare.SCENARIOS), "fault"],
         default="overhead",
-        help="overhead: vlguard vs stock; kill: engine killed mid-run, vlguard vs stock; "
+        help="overhead: vlguard vs stock; noise: stock vs stock (the machine's floor); "
+        "kill: engine killed mid-run, vlguard vs stock; "
         "alignment / patches: vlguard with that feature on vs off; fault: a step fault every --fault-every "
         "seconds, vlguard soft recovery vs rebuild vs stock restarted (test fault plugin) (default overhead)",
     )
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
+    cmp_.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="throughput scenarios: server pairs, each started fresh and run for --rounds, one after the other; "
+        "the intervals then resample pairs, which carries the spread between server instances (default 1)",
+    )
     cmp_.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     cmp_.add_argument("--pairs", type=int, default=8, help="pairs per round and system; kill: in all (default 8)")
     cmp_.add_argument("--kill-after", type=int, default=10, help="kill: successes before the kill (default 10)")
@@ -179,12 +187,24 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
         f"{result['median_round_throughput_ratio']:.3f}), TTFT p50 {r['ttft_p50']:.3f} p99 {r['ttft_p99']:.3f}, "
         f"e2e p50 {r['e2e_p50']:.3f} p99 {r['e2e_p99']:.3f}; TTFT p50 difference {r['ttft_p50_diff_ms']:+.1f} ms"
     )
+    instances = result.get("instances", [])
+    for i, inst in enumerate(instances if len(instances) > 1 else []):
+        print(
+            f"server pair {i + 1}: throughput {inst['throughput_ratio']:.3f}, TTFT p50 difference "
+            f"{inst['ttft_p50_diff_ms']:+.1f} ms, API CPU {inst['api_cpu_ratio']:.3f}"
+        )
     if "throughput_ratio_ci90" in result:
         (t_lo, t_hi), (d_lo, d_hi) = result["throughput_ratio_ci90"], result["ttft_p50_diff_ci90_ms"]
+        over = f"{len(instances)} server pairs resampled" if len(instances) > 1 else "rounds resampled in pairs"
         print(
-            f"90 % bootstrap intervals (rounds resampled in pairs): throughput ratio {t_lo:.3f} to {t_hi:.3f}, "
+            f"90 % bootstrap intervals ({over}): throughput ratio {t_lo:.3f} to {t_hi:.3f}, "
             f"TTFT p50 difference {d_lo:+.1f} to {d_hi:+.1f} ms"
         )
+        if len(instances) <= 1:
+            print(
+                "  (one server pair: the intervals leave out the spread between server instances, a few "
+                "percent on a 2-core machine; --instances N measures it)"
+            )
     for name, roles in result.get("cpu_ms_per_request", {}).items():
         print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
     for name, phases in result.get("ttft_phases_ms", {}).items():
@@ -212,6 +232,7 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         rounds=args.rounds,
         warmup=args.warmup,
         pairs=args.pairs,
+        instances=args.instances,
         concurrency=args.concurrency,
         kill_after=args.kill_after,
         fault_every_s=args.fault_every,

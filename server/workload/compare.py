@@ -5,6 +5,8 @@ Scenarios (systems A / B; every ratio printed is A / B):
 - ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost).
 - ``alignment``: vlguard with chunk alignment on vs off (deepstack patches as detected on both).
 - ``patches``: vlguard with the deepstack backports on vs off.
+- ``noise``: stock vs stock (an A/A run): how far the figures move between two identical systems on this
+  machine, the floor under any of the other scenarios' goals.
 - ``kill``: vlguard vs stock, each SIGKILLed in its ``VLLM::EngineCore`` after ``kill_after`` successful
   requests. The stock server exits on engine death; the harness starts it again at once, as systemd's
   ``Restart=always`` would, so its recovery includes the cold start.
@@ -15,7 +17,9 @@ Throughput scenarios alternate rounds (A B, B A, ...). Each round sends the same
 systems (new images every round: no cache reuse across rounds) and the server not being measured is
 SIGSTOPped, so its idle engine and OpenMP threads take no cores from the one being measured. Besides the
 aggregate ratios, the median of per-round throughput ratios is printed: a round's two runs are adjacent in
-time, which cancels most of a noisy machine's drift.
+time, which cancels most of a noisy machine's drift. ``instances`` > 1 repeats the whole thing on fresh
+server pairs (start order swapped each time): two identically built servers differ for their whole life
+by a few percent here, a spread no number of rounds on one pair averages out.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ SCENARIOS: dict[str, tuple[System, System]] = {
         System("unpatched", guard_args=("--guard-patches", "off")),
     ),
     "kill": (System("vlguard"), System("stock", stock=True)),
+    "noise": (System("stock-a", stock=True), System("stock-b", stock=True)),
 }
 
 #: Counters read from each server's /metrics before and after the measured rounds (their deltas are reported).
@@ -86,6 +91,7 @@ class CompareOptions:
     rounds: int = 6
     warmup: int = 1
     pairs: int = 8
+    instances: int = 1  # server pairs, started one after the other (throughput scenarios)
     concurrency: int = 4
     kill_after: int = 10
     fault_every_s: float = 10.0
@@ -103,18 +109,25 @@ def trace_path(system: System, opts: CompareOptions) -> Path:
 
 
 def system_server(
-    system: System, opts: CompareOptions, extra_env: dict[str, str] | None = None, stock_plugins: str = ""
+    system: System,
+    opts: CompareOptions,
+    extra_env: dict[str, str] | None = None,
+    stock_plugins: str = "",
+    fresh: bool = True,
 ) -> ServerProcess:
     """The (not yet started) server of one side, its phase tracer on with ``opts.trace``
     (:func:`trace_path`). ``extra_env`` goes to every side; ``stock_plugins`` is the stock server's
     ``VLLM_PLUGINS`` besides the tracer (none by default: vlguard's plugins, installed in the same
-    environment, stay out of stock)."""
+    environment, stay out of stock). ``fresh``: its log and trace files start empty (else they are
+    appended to: a later server pair of the same run)."""
     log = opts.out / f"compare-{opts.scenario}-{system.name}.log"
-    log.write_bytes(b"")
+    if fresh:
+        log.write_bytes(b"")
     traced = {}
     if opts.trace:
         trace = trace_path(system, opts)
-        trace.write_bytes(b"")
+        if fresh:
+            trace.write_bytes(b"")
         traced = {phase_trace.ENV: str(trace)}
     extra_env = {**traced, **(extra_env or {})}
     if system.stock:
@@ -130,14 +143,17 @@ def system_server(
 
 
 @contextmanager
-def _running(opts: CompareOptions) -> Iterator[dict[str, ServerProcess]]:
-    """Both systems started (concurrently), ready and paused; stopped on exit. vlguard is paused once its
-    spare engine process is ready too (its imports would otherwise run inside the measured load)."""
-    servers = {s.name: system_server(s, opts) for s in SCENARIOS[opts.scenario]}
+def _running(opts: CompareOptions, fresh: bool = True, reverse: bool = False) -> Iterator[dict[str, ServerProcess]]:
+    """Both systems started (concurrently; B first with ``reverse``), ready and paused; stopped on exit.
+    vlguard is paused once its spare engine process is ready too (its imports would otherwise run inside
+    the measured load). ``fresh``: as for :func:`system_server`."""
+    systems = SCENARIOS[opts.scenario]
+    servers = {s.name: system_server(s, opts, fresh=fresh) for s in systems}
+    order = [servers[s.name] for s in (systems[::-1] if reverse else systems)]
     try:
-        for srv in servers.values():
+        for srv in order:
             srv.start()
-        for srv in servers.values():
+        for srv in order:
             srv.wait_ready(opts.ready_timeout_s)
             if srv.ready_path == "/ready" and keeps_spare(srv):  # vlguard
                 spare_ready(srv, opts.ready_timeout_s)
@@ -182,41 +198,81 @@ def _ttfts(records: list[generator.Record]) -> list[float]:
     return [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
 
 
+def _instance_summary(
+    rounds: dict[str, list[tuple[float, float]]],
+    ttfts: dict[str, list[float]],
+    cpu_s_per_request: dict[str, dict[str, float]],
+) -> dict[str, float]:
+    """One server pair's headline figures, A / B in the order of the dicts: throughput ratio, TTFT p50
+    difference (ms) and API CPU ratio (CPU seconds per request of the server process)."""
+    (a, ra), (b, rb) = rounds.items()
+    rate = {n: sum(t for t, _ in r) / sum(w for _, w in r) for n, r in ((a, ra), (b, rb))}
+    p50 = {n: statistics.median(ttfts[n]) if ttfts[n] else math.nan for n in (a, b)}
+    api = {n: cpu_s_per_request[n].get("api", math.nan) for n in (a, b)}
+    return {
+        "throughput_ratio": rate[a] / rate[b],
+        "ttft_p50_diff_ms": 1000 * (p50[a] - p50[b]),
+        "api_cpu_ratio": api[a] / api[b] if api[b] else math.nan,
+    }
+
+
 def throughput(opts: CompareOptions) -> dict[str, Any]:
-    """Alternating rounds on both systems of a throughput scenario; returns the result (records as
-    :class:`~server.workload.generator.Record`)."""
+    """Alternating rounds on both systems of a throughput scenario, on ``opts.instances`` server pairs one
+    after the other (each pair started fresh, the start order swapped every pair); returns the result
+    (records as :class:`~server.workload.generator.Record`)."""
     a, b = (s.name for s in SCENARIOS[opts.scenario])
     records: dict[str, list[generator.Record]] = {a: [], b: []}
     wall = {a: 0.0, b: 0.0}
     cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
     round_ratios: list[float] = []
+    round_instances: list[int] = []  # the server pair each measured round ran on
     per_round: dict[str, list[tuple[float, float]]] = {a: [], b: []}  # (tokens, wall seconds) of each round
     ttft_rounds: dict[str, list[list[float]]] = {a: [], b: []}  # the streamed requests' TTFTs of each round
-    with _running(opts) as servers:
-        before: dict[str, dict[str, float]] = {}
-        for rnd in range(-opts.warmup, opts.rounds):
-            if rnd == 0:
-                for name, srv in servers.items():
-                    srv.resume()
-                    before[name] = _counters(srv.url)
-                    srv.pause()
-            first_pair = (rnd + opts.warmup) * opts.pairs
-            rate: dict[str, float] = {}
-            for name in (a, b) if rnd % 2 == 0 else (b, a):
-                res = _measure(servers[name], opts, first_pair, cpu[name] if rnd >= 0 else None)
-                rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
+    deltas: dict[str, dict[str, float]] = {a: {}, b: {}}
+    per_instance: list[dict[str, Any]] = []
+    rounds_per_instance = opts.warmup + opts.rounds
+    for inst in range(opts.instances):
+        inst_cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
+        first_records = {a: len(records[a]), b: len(records[b])}
+        with _running(opts, fresh=inst == 0, reverse=inst % 2 == 1) as servers:
+            before: dict[str, dict[str, float]] = {}
+            for rnd in range(-opts.warmup, opts.rounds):
+                if rnd == 0:
+                    for name, srv in servers.items():
+                        srv.resume()
+                        before[name] = _counters(srv.url)
+                        srv.pause()
+                first_pair = (inst * rounds_per_instance + rnd + opts.warmup) * opts.pairs
+                rate: dict[str, float] = {}
+                for name in (a, b) if rnd % 2 == 0 else (b, a):
+                    res = _measure(servers[name], opts, first_pair, inst_cpu[name] if rnd >= 0 else None)
+                    rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
+                    if rnd >= 0:
+                        records[name] += res.records
+                        wall[name] += res.wall_s
+                        per_round[name].append((rate[name] * res.wall_s, res.wall_s))
+                        ttft_rounds[name].append(_ttfts(res.records))
                 if rnd >= 0:
-                    records[name] += res.records
-                    wall[name] += res.wall_s
-                    per_round[name].append((rate[name] * res.wall_s, res.wall_s))
-                    ttft_rounds[name].append(_ttfts(res.records))
-            if rnd >= 0:
-                round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
-        deltas = {}
-        for name, srv in servers.items():
-            srv.resume()
-            after = _counters(srv.url)
-            deltas[name] = {k: v - before.get(name, {}).get(k, 0.0) for k, v in after.items()}
+                    round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
+                    round_instances.append(inst)
+            for name, srv in servers.items():
+                srv.resume()
+                for k, v in _counters(srv.url).items():
+                    deltas[name][k] = deltas[name].get(k, 0.0) + v - before.get(name, {}).get(k, 0.0)
+        for name in (a, b):
+            for role, used in inst_cpu[name].items():
+                cpu[name][role] = cpu[name].get(role, 0.0) + used
+        first = len(per_round[a]) - opts.rounds  # this instance's measured rounds
+        per_instance.append(
+            _instance_summary(
+                {n: per_round[n][first:] for n in (a, b)},
+                {n: [t for r in ttft_rounds[n][first:] for t in r] for n in (a, b)},
+                {
+                    n: {role: used / max(1, len(records[n]) - first_records[n]) for role, used in inst_cpu[n].items()}
+                    for n in (a, b)
+                },
+            )
+        )
     summaries = {name: report.summarize(recs, wall[name]) for name, recs in records.items()}
     return {
         "summaries": summaries,
@@ -224,8 +280,10 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         "round_throughput_ratios": round_ratios,
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
         # How far the two headline figures can be trusted on this machine (90 % bootstrap intervals).
-        "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b]),
-        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(ttft_rounds[a], ttft_rounds[b]),
+        "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b], instances=round_instances),
+        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(ttft_rounds[a], ttft_rounds[b], instances=round_instances),
+        # Each server pair's own figures: how far two pairs of the same systems differ on this machine.
+        "instances": per_instance,
         "counters": {n: {k: v for k, v in d.items() if not k.startswith(PHASE_SAMPLES)} for n, d in deltas.items()},
         # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
         # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).

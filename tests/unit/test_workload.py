@@ -138,6 +138,31 @@ def test_intervals_cover_the_point_estimate_and_carry_the_drift_between_rounds()
     assert all(math.isnan(x) for x in report.ratio_interval(a_rounds[:1], b_rounds[:1]))
 
 
+def test_intervals_over_server_pairs_carry_the_spread_between_pairs() -> None:
+    from collections import Counter
+
+    import numpy as np
+
+    # Two server pairs whose ratio differs for their whole life (1.1 and 0.9), each steady within itself:
+    # an interval over rounds is far too narrow for the spread; one over pairs spans it.
+    a_rounds = [(1100.0, 1.0)] * 6 + [(900.0, 1.0)] * 6
+    b_rounds = [(1000.0, 1.0)] * 12
+    pairs = [0] * 6 + [1] * 6
+    over_rounds = report.ratio_interval(a_rounds, b_rounds)
+    over_pairs = report.ratio_interval(a_rounds, b_rounds, instances=pairs)
+    assert over_pairs == (pytest.approx(0.9), pytest.approx(1.1))
+    assert over_rounds[1] - over_rounds[0] < over_pairs[1] - over_pairs[0]
+    ttft_a = [[0.110] * 4] * 6 + [[0.090] * 4] * 6
+    ttft_b = [[0.100] * 4] * 12
+    assert report.p50_diff_interval_ms(ttft_a, ttft_b, instances=pairs) == (pytest.approx(-10.0), pytest.approx(10.0))
+    # One pair named: rounds are resampled, as without instances.
+    assert report.ratio_interval(a_rounds, b_rounds, instances=[0] * 12) == over_rounds
+    # Each resample brings every round of a pair it draws, as often as it draws the pair.
+    for pick in report.resample_rounds(12, pairs, np.random.default_rng(0), 50):
+        drawn = Counter(pick.tolist())
+        assert len(pick) == 12 and len({drawn[i] for i in range(6)}) == len({drawn[i] for i in range(6, 12)}) == 1
+
+
 def test_ttft_phases_split_the_client_ttft_at_the_engine_client() -> None:
     records = [_rec(True, 0.2, ttft=0.05, stream=True), _rec(True, 0.2, ttft=0.07, stream=True), _rec(True, 0.3)]
     counters = {"vllm:time_to_first_token_seconds_sum": 0.12, "vllm:time_to_first_token_seconds_count": 3,
