@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="throughput scenarios: server pairs, each started fresh and run for --rounds, one after the other; "
-        "the intervals then resample pairs, which carries the spread between server instances (default 1)",
+        "with 2 or more the intervals are t intervals over the pairs' own figures, which carry the spread "
+        "between server instances (default 1)",
     )
     cmp_.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     cmp_.add_argument("--pairs", type=int, default=8, help="pairs per round and system; kill: in all (default 8)")
@@ -195,10 +196,16 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
         )
     if "throughput_ratio_ci90" in result:
         (t_lo, t_hi), (d_lo, d_hi) = result["throughput_ratio_ci90"], result["ttft_p50_diff_ci90_ms"]
-        over = f"{len(instances)} server pairs resampled" if len(instances) > 1 else "rounds resampled in pairs"
+        over = (
+            f"t intervals over the {len(instances)} server pairs"
+            if len(instances) > 1
+            else "bootstrap intervals, rounds resampled in pairs"
+        )
+        cpu = result.get("api_cpu_ratio_ci90")
         print(
-            f"90 % bootstrap intervals ({over}): throughput ratio {t_lo:.3f} to {t_hi:.3f}, "
+            f"90 % {over}: throughput ratio {t_lo:.3f} to {t_hi:.3f}, "
             f"TTFT p50 difference {d_lo:+.1f} to {d_hi:+.1f} ms"
+            + (f", API CPU ratio {cpu[0]:.3f} to {cpu[1]:.3f}" if cpu else "")
         )
         if len(instances) <= 1:
             print(
@@ -243,6 +250,9 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         trace=not args.no_trace,
     )
     stem = args.out / f"compare-{args.scenario}"
+    if args.instances < 1 or (args.instances > 1 and args.scenario in ("kill", "fault")):
+        print("vlguard bench compare: --instances takes 1 or more, and only 1 with kill or fault", file=sys.stderr)
+        return 2
     if args.scenario == "fault":
         return _fault_main(opts, stem)
     a, b = (s.name for s in compare.SCENARIOS[args.scenario])

@@ -18,8 +18,9 @@ systems (new images every round: no cache reuse across rounds) and the server no
 SIGSTOPped, so its idle engine and OpenMP threads take no cores from the one being measured. Besides the
 aggregate ratios, the median of per-round throughput ratios is printed: a round's two runs are adjacent in
 time, which cancels most of a noisy machine's drift. ``instances`` > 1 repeats the whole thing on fresh
-server pairs (start order swapped each time): two identically built servers differ for their whole life
-by a few percent here, a spread no number of rounds on one pair averages out.
+server pairs (both started at once; which is waited on and paused first is swapped each time): two
+identically built servers differ by several percent here for a whole run, a spread no number of rounds
+on one pair averages out, so the intervals are then taken over the pairs.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def system_server(
 
 @contextmanager
 def _running(opts: CompareOptions, fresh: bool = True, reverse: bool = False) -> Iterator[dict[str, ServerProcess]]:
-    """Both systems started (concurrently; B first with ``reverse``), ready and paused; stopped on exit.
+    """Both systems started (concurrently), ready and paused; stopped on exit. ``reverse``: B is started,
+    waited on and paused first (they still boot at the same time).
     vlguard is paused once its spare engine process is ready too (its imports would otherwise run inside
     the measured load). ``fresh``: as for :func:`system_server`."""
     systems = SCENARIOS[opts.scenario]
@@ -198,6 +200,15 @@ def _ttfts(records: list[generator.Record]) -> list[float]:
     return [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
 
 
+def _pair_intervals(per_instance: list[dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """90 % t intervals over the server pairs' figures (:func:`_instance_summary`)."""
+    return {
+        "throughput_ratio_ci90": report.pair_interval([i["throughput_ratio"] for i in per_instance], log=True),
+        "ttft_p50_diff_ci90_ms": report.pair_interval([i["ttft_p50_diff_ms"] for i in per_instance]),
+        "api_cpu_ratio_ci90": report.pair_interval([i["api_cpu_ratio"] for i in per_instance], log=True),
+    }
+
+
 def _instance_summary(
     rounds: dict[str, list[tuple[float, float]]],
     ttfts: dict[str, list[float]],
@@ -218,14 +229,13 @@ def _instance_summary(
 
 def throughput(opts: CompareOptions) -> dict[str, Any]:
     """Alternating rounds on both systems of a throughput scenario, on ``opts.instances`` server pairs one
-    after the other (each pair started fresh, the start order swapped every pair); returns the result
+    after the other (each pair started fresh; see :func:`_running` for ``reverse``); returns the result
     (records as :class:`~server.workload.generator.Record`)."""
     a, b = (s.name for s in SCENARIOS[opts.scenario])
     records: dict[str, list[generator.Record]] = {a: [], b: []}
     wall = {a: 0.0, b: 0.0}
     cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
     round_ratios: list[float] = []
-    round_instances: list[int] = []  # the server pair each measured round ran on
     per_round: dict[str, list[tuple[float, float]]] = {a: [], b: []}  # (tokens, wall seconds) of each round
     ttft_rounds: dict[str, list[list[float]]] = {a: [], b: []}  # the streamed requests' TTFTs of each round
     deltas: dict[str, dict[str, float]] = {a: {}, b: {}}
@@ -254,7 +264,6 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
                         ttft_rounds[name].append(_ttfts(res.records))
                 if rnd >= 0:
                     round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
-                    round_instances.append(inst)
             for name, srv in servers.items():
                 srv.resume()
                 for k, v in _counters(srv.url).items():
@@ -273,15 +282,24 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
                 },
             )
         )
+    # With one server pair: rounds resampled (the spread between pairs left out); with more: t intervals over
+    # the pairs' own figures (report.pair_interval).
+    intervals = (
+        _pair_intervals(per_instance)
+        if len(per_instance) > 1
+        else {
+            "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b]),
+            "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(ttft_rounds[a], ttft_rounds[b]),
+        }
+    )
     summaries = {name: report.summarize(recs, wall[name]) for name, recs in records.items()}
     return {
         "summaries": summaries,
         "ratios": report.ratios(summaries[a], summaries[b]),
         "round_throughput_ratios": round_ratios,
         "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
-        # How far the two headline figures can be trusted on this machine (90 % bootstrap intervals).
-        "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b], instances=round_instances),
-        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(ttft_rounds[a], ttft_rounds[b], instances=round_instances),
+        # How far the headline figures can be trusted on this machine (90 % intervals, above).
+        **intervals,
         # Each server pair's own figures: how far two pairs of the same systems differ on this machine.
         "instances": per_instance,
         "counters": {n: {k: v for k, v in d.items() if not k.startswith(PHASE_SAMPLES)} for n, d in deltas.items()},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,19 +54,16 @@ def p50_diff_interval_ms(
     level: float = 0.9,
     resamples: int = 2000,
     seed: int = 0,
-    instances: Sequence[int] | None = None,
 ) -> tuple[float, float]:
     """Bootstrap interval of ``p50(a) - p50(b)`` in ms: how far a run's TTFT p50 difference can be trusted.
 
     Rounds are resampled in pairs (a round's two runs together, as in :func:`ratio_interval`), so the
     interval carries the round-to-round drift of the machine, not only the spread within a round; each
-    resample's p50s are taken over the chosen rounds' samples. With ``instances`` naming two or more
-    server pairs, whole instances are resampled instead (:func:`resample_rounds`).
+    resample's p50s are taken over the chosen rounds' samples.
 
     Arguments:
         a_rounds, b_rounds: each round's samples of the two systems, seconds, in the same round order.
         level: the interval's coverage (0.9: from the 5th to the 95th percentile of the resampled differences).
-        instances: the server pair (instance) each round ran on, in the same order; ``None``: one pair.
 
     Returns:
         ``(low, high)`` ms; NaNs with fewer than 2 rounds or no samples on a side.
@@ -76,7 +73,7 @@ def p50_diff_interval_ms(
     a = [np.asarray(r, dtype=float) * 1000.0 for r in a_rounds]
     b = [np.asarray(r, dtype=float) * 1000.0 for r in b_rounds]
     diffs = []
-    for pick in resample_rounds(len(a), instances, np.random.default_rng(seed), resamples):
+    for pick in np.random.default_rng(seed).integers(0, len(a), (resamples, len(a))):
         xa, xb = np.concatenate([a[i] for i in pick]), np.concatenate([b[i] for i in pick])
         if xa.size and xb.size:
             diffs.append(float(np.median(xa) - np.median(xb)))
@@ -93,48 +90,53 @@ def ratio_interval(
     level: float = 0.9,
     resamples: int = 2000,
     seed: int = 0,
-    instances: Sequence[int] | None = None,
 ) -> tuple[float, float]:
     """Bootstrap interval of the throughput ratio ``a / b`` over paired rounds (a round's two runs are
     resampled together, which keeps the pairing that cancels the machine's drift).
 
     Arguments:
         a_rounds, b_rounds: ``(tokens, wall seconds)`` of each round, in the same order on both sides.
-        instances: as for :func:`p50_diff_interval_ms`.
 
     Returns:
         ``(low, high)``; NaNs when there are fewer than 2 rounds.
     """
     if len(a_rounds) < 2 or len(a_rounds) != len(b_rounds):
         return math.nan, math.nan
+    rng = np.random.default_rng(seed)
     a, b = np.asarray(a_rounds, dtype=float), np.asarray(b_rounds, dtype=float)
-    ratios = []
-    for idx in resample_rounds(len(a), instances, np.random.default_rng(seed), resamples):
-        ratios.append((a[idx, 0].sum() / a[idx, 1].sum()) / (b[idx, 0].sum() / b[idx, 1].sum()))
+    idx = rng.integers(0, len(a), (resamples, len(a)))
+    rate_a = a[idx, 0].sum(axis=1) / a[idx, 1].sum(axis=1)
+    rate_b = b[idx, 0].sum(axis=1) / b[idx, 1].sum(axis=1)
     tail = 50.0 * (1.0 - level)
-    low, high = np.percentile(ratios, (tail, 100.0 - tail))
+    low, high = np.percentile(rate_a / rate_b, (tail, 100.0 - tail))
     return float(low), float(high)
 
 
-def resample_rounds(
-    n_rounds: int, instances: Sequence[int] | None, rng: np.random.Generator, resamples: int
-) -> Iterator[np.ndarray]:
-    """Round indices of each bootstrap resample.
+def pair_interval(values: Sequence[float], level: float = 0.9, log: bool = False) -> tuple[float, float]:
+    """Student-t interval of the mean of per-server-pair figures (``vlguard bench compare --instances N``).
 
-    With one server pair, rounds are drawn with replacement. With ``instances`` (the server pair each
-    round ran on) naming two or more, whole instances are drawn with replacement, each bringing all its
-    rounds: two identically built servers differ by a few percent for their whole life on this machine
-    (docs/benchmarks.md, the A/A runs), so rounds of one instance are not independent samples and an
-    interval over rounds alone comes out too narrow.
+    Two identically built servers differ by several percent for a whole run on a 2-core machine
+    (docs/benchmarks.md, the A/A runs), so a run's server pairs, not its rounds, are the independent
+    samples; with a handful of pairs a bootstrap over them comes out too narrow (few distinct
+    resamples), the t interval does not.
+
+    Arguments:
+        values: one figure per server pair (a throughput ratio, a TTFT p50 difference in ms, ...).
+        log: the interval of the geometric mean (for ratios).
+
+    Returns:
+        ``(low, high)``; NaNs with fewer than 2 finite values.
     """
-    groups = sorted(set(instances)) if instances is not None else []
-    if len(groups) < 2:
-        yield from rng.integers(0, n_rounds, (resamples, n_rounds))
-        return
-    assert instances is not None and len(instances) == n_rounds
-    members = [np.flatnonzero(np.asarray(instances) == g) for g in groups]
-    for pick in rng.integers(0, len(groups), (resamples, len(groups))):
-        yield np.concatenate([members[i] for i in pick])
+    from scipy import stats
+
+    x = np.asarray([v for v in values if math.isfinite(v) and (v > 0 or not log)], dtype=float)
+    if x.size < 2:
+        return math.nan, math.nan
+    if log:
+        x = np.log(x)
+    scale = float(stats.sem(x))
+    low, high = stats.t.interval(level, x.size - 1, loc=x.mean(), scale=scale) if scale > 0 else (x.mean(),) * 2
+    return (math.exp(low), math.exp(high)) if log else (float(low), float(high))
 
 
 def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:

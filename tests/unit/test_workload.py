@@ -138,29 +138,76 @@ def test_intervals_cover_the_point_estimate_and_carry_the_drift_between_rounds()
     assert all(math.isnan(x) for x in report.ratio_interval(a_rounds[:1], b_rounds[:1]))
 
 
-def test_intervals_over_server_pairs_carry_the_spread_between_pairs() -> None:
-    from collections import Counter
+def test_the_interval_over_server_pairs_carries_the_spread_between_pairs() -> None:
+    # Two pairs at 1.1 and 0.9: a t interval with one degree of freedom spans far beyond both.
+    low, high = report.pair_interval([1.1, 0.9], log=True)
+    assert low < 0.9 and high > 1.1
+    assert report.pair_interval([1.1, 0.9], log=True)[0] == pytest.approx(math.exp(-0.005 - 6.3138 * 0.10033), rel=1e-3)
+    # Agreeing pairs: a narrow interval around them; identical ones: no width at all.
+    low, high = report.pair_interval([1.01, 0.99, 1.00, 1.00, 1.02, 0.98])
+    assert 0.98 < low < 1.0 < high < 1.02
+    assert report.pair_interval([5.0, 5.0]) == (5.0, 5.0)
+    assert all(math.isnan(x) for x in report.pair_interval([1.0]))
+    assert all(math.isnan(x) for x in report.pair_interval([1.0, math.nan]))
 
-    import numpy as np
 
-    # Two server pairs whose ratio differs for their whole life (1.1 and 0.9), each steady within itself:
-    # an interval over rounds is far too narrow for the spread; one over pairs spans it.
-    a_rounds = [(1100.0, 1.0)] * 6 + [(900.0, 1.0)] * 6
-    b_rounds = [(1000.0, 1.0)] * 12
-    pairs = [0] * 6 + [1] * 6
-    over_rounds = report.ratio_interval(a_rounds, b_rounds)
-    over_pairs = report.ratio_interval(a_rounds, b_rounds, instances=pairs)
-    assert over_pairs == (pytest.approx(0.9), pytest.approx(1.1))
-    assert over_rounds[1] - over_rounds[0] < over_pairs[1] - over_pairs[0]
-    ttft_a = [[0.110] * 4] * 6 + [[0.090] * 4] * 6
-    ttft_b = [[0.100] * 4] * 12
-    assert report.p50_diff_interval_ms(ttft_a, ttft_b, instances=pairs) == (pytest.approx(-10.0), pytest.approx(10.0))
-    # One pair named: rounds are resampled, as without instances.
-    assert report.ratio_interval(a_rounds, b_rounds, instances=[0] * 12) == over_rounds
-    # Each resample brings every round of a pair it draws, as often as it draws the pair.
-    for pick in report.resample_rounds(12, pairs, np.random.default_rng(0), 50):
-        drawn = Counter(pick.tolist())
-        assert len(pick) == 12 and len({drawn[i] for i in range(6)}) == len({drawn[i] for i in range(6, 12)}) == 1
+def test_throughput_over_server_pairs_keeps_each_pairs_figures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from contextlib import contextmanager
+
+    from server.workload import compare
+    from server.workload.generator import RunResult
+
+    class FakeServer:
+        def __init__(self, name: str) -> None:
+            self.name, self.url = name, f"http://{name}"
+
+        def resume(self) -> None: ...
+
+        def pause(self) -> None: ...
+
+    started: list[tuple[bool, bool]] = []
+    sent: list[tuple[int, str, int]] = []
+    reads: dict[str, int] = {}
+
+    @contextmanager
+    def running(opts: compare.CompareOptions, fresh: bool = True, reverse: bool = False):  # type: ignore[no-untyped-def]
+        started.append((fresh, reverse))
+        yield {"vlguard": FakeServer("vlguard"), "stock": FakeServer("stock")}
+
+    def measure(srv: FakeServer, opts: compare.CompareOptions, first_pair: int, cpu: dict[str, float] | None = None):  # type: ignore[no-untyped-def]
+        pair_no = len(started) - 1  # vlguard 1.1x stock's speed on the first pair, 0.9x on the second
+        guarded = srv.name == "vlguard"
+        speed = (1.1 if pair_no == 0 else 0.9) if guarded else 1.0
+        recs = [Record(first_pair + i // 2, "primary", True, 0.0, 0.2, 0.110 if guarded else 0.100, True,
+                       prompt_tokens=90, completion_tokens=10) for i in range(2 * opts.pairs)]  # fmt: skip
+        if cpu is not None:  # API CPU: 3 ms a request on vlguard, 2 on stock
+            cpu["api"] = cpu.get("api", 0.0) + (0.003 if guarded else 0.002) * len(recs)
+        sent.append((pair_no, srv.name, first_pair))
+        return RunResult(recs, wall_s=1.0 / speed)
+
+    def counters(url: str) -> dict[str, float]:
+        reads[url] = reads.get(url, 0) + 1
+        return {"vllm:iteration_tokens_total_count": 10.0 * reads[url]}
+
+    monkeypatch.setattr(compare, "_running", running)
+    monkeypatch.setattr(compare, "_measure", measure)
+    monkeypatch.setattr(compare, "_counters", counters)
+    opts = compare.CompareOptions(model="m", out=tmp_path, trace=False, rounds=4, warmup=1, pairs=3, instances=2)
+    result = compare.throughput(opts)
+
+    assert started == [(True, False), (False, True)]  # later pairs append to the files; order swapped
+    firsts = [first for _, name, first in sent if name == "stock"]
+    assert firsts == [3 * i for i in range(10)]  # every round of every pair sends pairs of its own
+    pairs = result["instances"]
+    assert [p["throughput_ratio"] for p in pairs] == [pytest.approx(1.1), pytest.approx(0.9)]
+    assert [p["ttft_p50_diff_ms"] for p in pairs] == [pytest.approx(10.0)] * 2
+    assert [p["api_cpu_ratio"] for p in pairs] == [pytest.approx(1.5)] * 2
+    low, high = result["throughput_ratio_ci90"]
+    assert low < 0.9 and high > 1.1  # over the pairs, not the (steady) rounds
+    assert result["api_cpu_ratio_ci90"] == (pytest.approx(1.5), pytest.approx(1.5))
+    assert result["cpu_ms_per_request"]["vlguard"]["api"] == pytest.approx(3.0)
+    assert result["summaries"]["stock"]["requests"] == 2 * 4 * 2 * 3
+    assert result["counters"]["stock"]["vllm:iteration_tokens_total_count"] == 20.0  # 10 per pair, summed
 
 
 def test_ttft_phases_split_the_client_ttft_at_the_engine_client() -> None:
