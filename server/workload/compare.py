@@ -209,19 +209,65 @@ def _pair_intervals(per_instance: list[dict[str, float]]) -> dict[str, tuple[flo
     }
 
 
-def _instance_summary(
-    rounds: dict[str, list[tuple[float, float]]],
-    ttfts: dict[str, list[float]],
-    cpu_s_per_request: dict[str, dict[str, float]],
+@dataclass
+class _Tally:
+    """One system's measured rounds, over every server pair of a run."""
+
+    records: list[generator.Record] = field(default_factory=list)
+    wall_s: float = 0.0
+    rounds: list[tuple[float, float]] = field(default_factory=list)  # (tokens, wall seconds) of each round
+    ttfts: list[list[float]] = field(default_factory=list)  # the streamed requests' TTFTs of each round
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by process role
+    counters: dict[str, float] = field(default_factory=dict)  # counter deltas (COUNTERS, PHASE_SAMPLES)
+
+    def add(self, res: generator.RunResult, tokens_per_s: float) -> None:
+        self.records += res.records
+        self.wall_s += res.wall_s
+        self.rounds.append((tokens_per_s * res.wall_s, res.wall_s))
+        self.ttfts.append(_ttfts(res.records))
+
+
+def _run_pair(
+    opts: CompareOptions, inst: int, tallies: dict[str, _Tally], round_ratios: list[float]
 ) -> dict[str, float]:
-    """One server pair's headline figures, A / B in the order of the dicts: throughput ratio, TTFT p50
+    """The alternating rounds on server pair number ``inst`` (started fresh, :func:`_running`), added to
+    ``tallies`` and ``round_ratios``. Returns the pair's own figures, A / B: throughput ratio, TTFT p50
     difference (ms) and API CPU ratio (CPU seconds per request of the server process)."""
-    (a, ra), (b, rb) = rounds.items()
-    rate = {n: sum(t for t, _ in r) / sum(w for _, w in r) for n, r in ((a, ra), (b, rb))}
-    p50 = {n: statistics.median(ttfts[n]) if ttfts[n] else math.nan for n in (a, b)}
-    api = {n: cpu_s_per_request[n].get("api", math.nan) for n in (a, b)}
+    a, b = tallies
+    first_round, first_record = len(tallies[a].rounds), {n: len(t.records) for n, t in tallies.items()}
+    cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
+    with _running(opts, fresh=inst == 0, reverse=inst % 2 == 1) as servers:
+        before: dict[str, dict[str, float]] = {}
+        for rnd in range(-opts.warmup, opts.rounds):
+            if rnd == 0:
+                for name, srv in servers.items():
+                    srv.resume()
+                    before[name] = _counters(srv.url)
+                    srv.pause()
+            first_pair = (inst * (opts.warmup + opts.rounds) + rnd + opts.warmup) * opts.pairs
+            rate: dict[str, float] = {}
+            for name in (a, b) if rnd % 2 == 0 else (b, a):
+                res = _measure(servers[name], opts, first_pair, cpu[name] if rnd >= 0 else None)
+                rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
+                if rnd >= 0:
+                    tallies[name].add(res, rate[name])
+            if rnd >= 0:
+                round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
+        for name, srv in servers.items():
+            srv.resume()
+            total = tallies[name].counters
+            for k, v in _counters(srv.url).items():
+                total[k] = total.get(k, 0.0) + v - before.get(name, {}).get(k, 0.0)
+    tokens_per_s, p50, api = {}, {}, {}
+    for name, tally in tallies.items():
+        for role, used in cpu[name].items():
+            tally.cpu_s[role] = tally.cpu_s.get(role, 0.0) + used
+        rounds, ttfts = tally.rounds[first_round:], [t for r in tally.ttfts[first_round:] for t in r]
+        tokens_per_s[name] = sum(t for t, _ in rounds) / sum(w for _, w in rounds)
+        p50[name] = statistics.median(ttfts) if ttfts else math.nan
+        api[name] = cpu[name].get("api", math.nan) / max(1, len(tally.records) - first_record[name])
     return {
-        "throughput_ratio": rate[a] / rate[b],
+        "throughput_ratio": tokens_per_s[a] / tokens_per_s[b],
         "ttft_p50_diff_ms": 1000 * (p50[a] - p50[b]),
         "api_cpu_ratio": api[a] / api[b] if api[b] else math.nan,
     }
@@ -229,70 +275,25 @@ def _instance_summary(
 
 def throughput(opts: CompareOptions) -> dict[str, Any]:
     """Alternating rounds on both systems of a throughput scenario, on ``opts.instances`` server pairs one
-    after the other (each pair started fresh; see :func:`_running` for ``reverse``); returns the result
-    (records as :class:`~server.workload.generator.Record`)."""
+    after the other (:func:`_run_pair`); returns the result (records as
+    :class:`~server.workload.generator.Record`)."""
     a, b = (s.name for s in SCENARIOS[opts.scenario])
-    records: dict[str, list[generator.Record]] = {a: [], b: []}
-    wall = {a: 0.0, b: 0.0}
-    cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
+    tallies = {a: _Tally(), b: _Tally()}
     round_ratios: list[float] = []
-    per_round: dict[str, list[tuple[float, float]]] = {a: [], b: []}  # (tokens, wall seconds) of each round
-    ttft_rounds: dict[str, list[list[float]]] = {a: [], b: []}  # the streamed requests' TTFTs of each round
-    deltas: dict[str, dict[str, float]] = {a: {}, b: {}}
-    per_instance: list[dict[str, Any]] = []
-    rounds_per_instance = opts.warmup + opts.rounds
-    for inst in range(opts.instances):
-        inst_cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
-        first_records = {a: len(records[a]), b: len(records[b])}
-        with _running(opts, fresh=inst == 0, reverse=inst % 2 == 1) as servers:
-            before: dict[str, dict[str, float]] = {}
-            for rnd in range(-opts.warmup, opts.rounds):
-                if rnd == 0:
-                    for name, srv in servers.items():
-                        srv.resume()
-                        before[name] = _counters(srv.url)
-                        srv.pause()
-                first_pair = (inst * rounds_per_instance + rnd + opts.warmup) * opts.pairs
-                rate: dict[str, float] = {}
-                for name in (a, b) if rnd % 2 == 0 else (b, a):
-                    res = _measure(servers[name], opts, first_pair, inst_cpu[name] if rnd >= 0 else None)
-                    rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
-                    if rnd >= 0:
-                        records[name] += res.records
-                        wall[name] += res.wall_s
-                        per_round[name].append((rate[name] * res.wall_s, res.wall_s))
-                        ttft_rounds[name].append(_ttfts(res.records))
-                if rnd >= 0:
-                    round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
-            for name, srv in servers.items():
-                srv.resume()
-                for k, v in _counters(srv.url).items():
-                    deltas[name][k] = deltas[name].get(k, 0.0) + v - before.get(name, {}).get(k, 0.0)
-        for name in (a, b):
-            for role, used in inst_cpu[name].items():
-                cpu[name][role] = cpu[name].get(role, 0.0) + used
-        first = len(per_round[a]) - opts.rounds  # this instance's measured rounds
-        per_instance.append(
-            _instance_summary(
-                {n: per_round[n][first:] for n in (a, b)},
-                {n: [t for r in ttft_rounds[n][first:] for t in r] for n in (a, b)},
-                {
-                    n: {role: used / max(1, len(records[n]) - first_records[n]) for role, used in inst_cpu[n].items()}
-                    for n in (a, b)
-                },
-            )
-        )
+    per_instance = [_run_pair(opts, inst, tallies, round_ratios) for inst in range(opts.instances)]
     # With one server pair: rounds resampled (the spread between pairs left out); with more: t intervals over
     # the pairs' own figures (report.pair_interval).
     intervals = (
         _pair_intervals(per_instance)
         if len(per_instance) > 1
         else {
-            "throughput_ratio_ci90": report.ratio_interval(per_round[a], per_round[b]),
-            "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(ttft_rounds[a], ttft_rounds[b]),
+            "throughput_ratio_ci90": report.ratio_interval(tallies[a].rounds, tallies[b].rounds),
+            "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(tallies[a].ttfts, tallies[b].ttfts),
         }
     )
-    summaries = {name: report.summarize(recs, wall[name]) for name, recs in records.items()}
+    records = {name: t.records for name, t in tallies.items()}
+    deltas = {name: t.counters for name, t in tallies.items()}
+    summaries = {name: report.summarize(t.records, t.wall_s) for name, t in tallies.items()}
     return {
         "summaries": summaries,
         "ratios": report.ratios(summaries[a], summaries[b]),
@@ -306,11 +307,11 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
         # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).
         "cpu_ms_per_request": {
-            name: {role: 1000 * used / max(1, len(records[name])) for role, used in sorted(cpu[name].items())}
-            for name in (a, b)
+            name: {role: 1000 * used / max(1, len(t.records)) for role, used in sorted(t.cpu_s.items())}
+            for name, t in tallies.items()
         },
         # Where the time to first token goes, mean ms per request (vLLM's own histograms, report.phases_ms).
-        "ttft_phases_ms": {name: report.phases_ms(records[name], deltas.get(name, {})) for name in (a, b)},
+        "ttft_phases_ms": {name: report.phases_ms(records[name], deltas[name]) for name in (a, b)},
         # The streamed requests' TTFT phase by phase, stamped in both servers (report.trace_phases_ms).
         "ttft_trace_ms": {
             name: report.trace_phases_ms(records[name], phase_trace.read(trace_path(system, opts)))
@@ -318,7 +319,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
             if opts.trace
         },
         # Requests each engine served in those rounds: the client's plus the server's own (probes).
-        "engine_requests": {n: deltas.get(n, {}).get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
+        "engine_requests": {n: deltas[n].get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
         "records": records,
     }
 
