@@ -24,9 +24,10 @@ from server.api.errors import install_error_handlers
 from server.api.health import router as health_router
 from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
+from server.api.model_facts import poison_rules
 from server.api.request_fixes import install_completion_fixes
 from server.guard.engine_client import GuardedEngineClient
-from server.guard.supervisor import Supervisor
+from server.guard.supervisor import EngineState, Supervisor
 from server.guard.systemd import Notifier
 from server.settings import GuardSettings
 
@@ -45,9 +46,15 @@ def _attach_openai_routes(app: FastAPI) -> None:
         attach(app)
 
 
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    """The API keys the server requires (``--api-key``, else ``VLLM_API_KEY``); empty: none."""
+    import vllm.envs as envs
+
+    return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
+
+
 def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
     """CORS and ``--api-key`` exactly as ``vllm serve`` applies them (drop-in compatibility)."""
-    import vllm.envs as envs
     from fastapi.middleware.cors import CORSMiddleware
 
     app.add_middleware(
@@ -57,7 +64,7 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
-    if tokens := [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]:
+    if tokens := _api_keys(args):
         from server.compat import vllm_symbol
 
         app.add_middleware(vllm_symbol("AuthenticationMiddleware"), tokens=tokens)
@@ -129,6 +136,9 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
             if (completion := getattr(app.state, "openai_serving_completion", None)) is not None:
                 install_completion_fixes(completion)
             app.state.pixel_bounds = _pixel_bounds(client.model_config)
+            app.state.poison_rules = poison_rules(
+                client.model_config, client.vllm_config, client.renderer.get_tokenizer()
+            )
             background = [asyncio.create_task(notifier.watchdog_forever(supervisor.healthy))]
             background.append(asyncio.create_task(_report_state_forever(supervisor, notifier)))
             if not args.disable_log_stats:
@@ -153,19 +163,22 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.settings = settings
     app.state.args = args
     app.state.pixel_bounds = BOUNDS_PENDING  # read from the model's processor once the engine is up
+    app.state.poison_rules = None  # likewise
     app.root_path = args.root_path
     app.include_router(health_router)
     app.include_router(admin_router)
     _attach_openai_routes(app)
     # Starlette puts each added middleware in front: on the way in, API key, CORS (as vllm serve), input
     # guard (limits, media), admission (engine ready).
-    app.add_middleware(AdmissionMiddleware, supervisor=supervisor)
+    app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keyed=bool(_api_keys(args)))
     app.add_middleware(
         InputGuardMiddleware,
         settings=settings,
         local_media=bool(args.allowed_local_media_path),
         allowed_media_domains=args.allowed_media_domains,
         pixel_bounds=lambda: app.state.pixel_bounds,
+        poison_rules=lambda: app.state.poison_rules,
+        engine_ready=lambda: supervisor.state is EngineState.READY,
     )
     _add_middleware(app, args)
     install_error_handlers(app)

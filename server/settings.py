@@ -37,6 +37,12 @@ class GuardSettings(BaseSettings):
     max_request_mb: float = Field(default=64.0, gt=0)
     """Largest request body accepted (MiB); more gets 413."""
 
+    max_body_memory_mb: float | None = Field(default=None, gt=0)
+    """Request bodies the API process holds at once, in all (MiB: received, checked, held while the engine
+    restarts, served); a request whose body would exceed it gets 429 (503 while the engine restarts).
+    Default: one sixteenth of the machine's memory (an image request costs the API process about four
+    times its body while it is parsed and decoded)."""
+
     max_image_mb: float = Field(default=20.0, gt=0)
     """Largest decoded size of one image or other media item (MiB); more gets 413."""
 
@@ -81,11 +87,22 @@ class GuardSettings(BaseSettings):
     resident on the CPU build)."""
 
     soft_recovery_max: int = Field(default=10, ge=0)
-    """Soft recoveries allowed within ``restart_window`` seconds; the next step fault rebuilds the engine."""
+    """Soft recoveries of faults charged to no request allowed within ``restart_window`` seconds; the next
+    such fault rebuilds the engine. Faults charged to requests are theirs (quarantine, client budget)."""
 
     restart_max: int = Field(default=5, ge=0)
     """In-process engine restarts allowed within ``restart_window`` seconds; one more and the process
-    exits non-zero so systemd or Docker restart it."""
+    exits non-zero so systemd or Docker restart it. A rebuild after a fault charged to requests (a poison
+    input that killed its worker) does not count."""
+
+    client_fault_max: int = Field(default=10, ge=0)
+    """Engine faults charged with certainty to one client's requests (API key when the server has keys,
+    else the remote address) within ``restart_window`` seconds before that client is refused with 429 for
+    ``client_cooldown`` seconds. 0: never refuse."""
+
+    client_cooldown: float = Field(default=60.0, gt=0)
+    """Seconds a client stays refused once its requests spent its fault budget; its faults stay counted
+    for the window, so one more fault within it refuses it again."""
 
     restart_window: float = Field(default=600.0, gt=0)
     """Seconds over which ``restart_max`` is counted."""
@@ -139,6 +156,18 @@ class GuardSettings(BaseSettings):
     shutdown_timeout: float = Field(default=15.0, gt=0)
     """Seconds the engine's own shutdown (and an engine build still in progress) may take at exit before
     vlguard kills the engine's processes."""
+
+    def body_memory_bytes(self) -> int:
+        """``max_body_memory_mb`` in bytes, or its default (a sixteenth of the machine's memory)."""
+        if self.max_body_memory_mb is not None:
+            return int(self.max_body_memory_mb * 1024 * 1024)
+        return _default_body_memory()
+
+
+def _default_body_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total // 16)
 
 
 def settings_from_flags(flags: dict[str, str]) -> GuardSettings:

@@ -4,6 +4,10 @@ A request that arrives while the engine is not READY waits (bounded by ``hold_ti
 ``max_held``) before vLLM's route handler runs, so that a stream can still be refused with a proper
 503 + ``Retry-After`` instead of a 200 followed by an error event. Requests already inside an engine are
 carried over deaths by the engine client.
+
+The door also names the request's client (:func:`server.guard.clients.client_key`, kept in
+:data:`server.guard.clients.current_client` for the engine client) and refuses a client whose requests
+spent its fault budget with 429 + ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.errors import guard_error_response
+from server.guard.clients import ClientRefusedError, client_key, current_client
 from server.guard.errors import EngineUnavailableError
 from server.guard.supervisor import EngineState, Supervisor
 from server.metrics import definitions as m
@@ -29,19 +34,27 @@ def route_path(scope: Scope) -> str:
 class AdmissionMiddleware:
     """Arguments:
     app: the ASGI app to guard.
-    supervisor: whose readiness gates generation requests."""
+    supervisor: whose readiness gates generation requests.
+    keyed: whether the server has API keys (they then identify clients)."""
 
-    def __init__(self, app: ASGIApp, supervisor: Supervisor) -> None:
+    def __init__(self, app: ASGIApp, supervisor: Supervisor, keyed: bool = False) -> None:
         self.app = app
         self.supervisor = supervisor
+        self.keyed = keyed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and route_path(scope) in GENERATION_PATHS
-            and self.supervisor.state is not EngineState.READY
-        ):
+        if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        client = client_key(scope, self.keyed)
+        current_client.set(client)
+        try:
+            self.supervisor.clients.check(client)
+        except ClientRefusedError as exc:
+            m.REQUESTS_REJECTED.labels(reason="client_faults").inc()
+            await guard_error_response(exc)(scope, receive, send)
+            return
+        if self.supervisor.state is not EngineState.READY:
             try:
                 await self.supervisor.acquire()
             except EngineUnavailableError as exc:

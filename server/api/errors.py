@@ -103,7 +103,8 @@ def guard_error_response(exc: GuardError) -> JSONResponse:
     """The response a guard exception states: its ``status``, ``Retry-After`` when it asks for one."""
     if exc.status == HTTPStatus.SERVICE_UNAVAILABLE:
         return unavailable_response(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.retry_after else None
+    wait = getattr(exc, "retry_after_s", RETRY_AFTER_S)
+    headers = {"Retry-After": str(max(1, round(wait)))} if exc.retry_after else None
     return error_response(exc.status, str(exc), headers=headers)
 
 
@@ -127,6 +128,24 @@ async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(err.model_dump(), status_code=err.error.code)
 
 
+#: How vLLM's multimodal processor says the rendered prompt lost an item's placeholder (an assertion).
+_PLACEHOLDER_LOST = "Failed to apply prompt replacement"
+
+
+async def _on_assertion(request: Request, exc: Exception) -> JSONResponse:
+    """vLLM's multimodal processor asserts that the rendered prompt holds every item's placeholder; a
+    request that cut it away (``truncate_prompt_tokens`` below an image's tokens, vllm#57038) gets a 500
+    from stock vLLM. That is the request's doing: 400. Any other assertion is a server error."""
+    if str(exc).startswith(_PLACEHOLDER_LOST):
+        return error_response(
+            HTTPStatus.BAD_REQUEST,
+            "The prompt no longer holds the placeholder of every image or video after rendering "
+            "(truncate_prompt_tokens below the media's tokens?): keep the media inside the prompt",
+            param="truncate_prompt_tokens",
+        )
+    return await _on_other(request, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the exception map on ``app``.
 
@@ -137,6 +156,7 @@ def install_error_handlers(app: FastAPI) -> None:
     | ``GuardError`` (``server.guard.errors``) | its ``status``: quarantined 400, unavailable 503 + ``Retry-After`` |
     | vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
     | ``ValueError``, ``TypeError``, vLLM's client errors (``VLLMValidationError``, ``VLLMNotFoundError``) | 400 / 404 |
+    | vLLM's failed prompt replacement (``AssertionError``: the prompt lost a media placeholder) | 400 |
     | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
 
     Client errors get handlers of their own rather than only the catch-all: Starlette answers a
@@ -156,4 +176,5 @@ def install_error_handlers(app: FastAPI) -> None:
             client_errors.append(found)
     for error in client_errors:
         app.add_exception_handler(error, _on_other)
+    app.add_exception_handler(AssertionError, _on_assertion)
     app.add_exception_handler(Exception, _on_other)

@@ -6,13 +6,18 @@ vLLM sees the request:
 1. at most ``max_inflight`` such requests are inside vlguard at once (held, queued in vLLM, running or
    streaming); one more gets **429** + ``Retry-After`` instead of growing memory without bound;
 2. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
-   more gets **413**;
-3. a JSON body's media parts and ``mm_processor_kwargs`` are checked by
+   more gets **413**. The bodies inside at once (received, checked, held while the engine restarts,
+   served) are bounded by ``max_body_memory_mb`` in all, counted as their bytes arrive: one more byte
+   gets **429** + ``Retry-After`` (**503** while the engine restarts);
+3. a generation request's inputs known to fault the engine are refused with **400**
+   (:mod:`server.api.poison`: non-finite numbers, structured outputs without a usable constraint or
+   that the engine's backend cannot compile, out-of-vocabulary token ids, literal placeholder tokens);
+4. a JSON body's media parts and ``mm_processor_kwargs`` are checked by
    :func:`server.api.media.check_media` (**400**/**413** with a message naming the part), and its images
    normalised (:mod:`server.api.pixels`). A body that is not JSON goes on to vLLM, whose own 400 names
    the problem; JSON that is not an object, or nested too deeply for Python's parser, gets **400** here
    (vLLM's request models would answer those with a 500);
-4. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
+5. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
    (:mod:`server.api.remote_media`; **400**/**413**/**504**).
 
 The body is then handed on (unchanged unless images were normalised or inlined). Every refusal uses the OpenAI
@@ -33,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api.admission import GENERATION_PATHS, route_path
 from server.api.errors import RETRY_AFTER_S, error_response
 from server.api.media import MediaError, MediaLimits, PixelBounds, check_media
+from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.compat import upstream_image_rules
 from server.metrics import definitions as m
@@ -78,7 +84,10 @@ class InputGuardMiddleware:
     local_media: whether ``--allowed-local-media-path`` is set (``file:`` URLs allowed).
     allowed_media_domains: vLLM's ``--allowed-media-domains``: the hosts remote media may come from.
     pixel_bounds: returns the server's processed image size bounds once the engine is up (``None``: not
-        known yet, or the model's processor has none)."""
+        known yet, or the model's processor has none).
+    poison_rules: returns the served model's facts for the known-poison rules once the engine is up
+        (:mod:`server.api.poison`; ``None``: not known yet).
+    engine_ready: whether the engine serves now (a body over the memory budget then gets 429, else 503)."""
 
     def __init__(
         self,
@@ -87,8 +96,11 @@ class InputGuardMiddleware:
         local_media: bool = False,
         allowed_media_domains: list[str] | None = None,
         pixel_bounds: Callable[[], PixelBounds | None] = lambda: None,
+        poison_rules: Callable[[], PoisonRules | None] = lambda: None,
+        engine_ready: Callable[[], bool] = lambda: True,
     ) -> None:
         self.app = app
+        self.poison_rules = poison_rules
         self.max_inflight = settings.max_inflight
         self.max_body = int(settings.max_request_mb * 1024 * 1024)
         self.limits = MediaLimits(
@@ -106,6 +118,9 @@ class InputGuardMiddleware:
             timeout_s=settings.remote_media_timeout,
         )
         self.active = 0
+        self.body_budget = settings.body_memory_bytes()
+        self.body_bytes = 0  # bytes of the bodies inside now (received, checked, held, served)
+        self.engine_ready = engine_ready
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in CHECKED_PATHS):
@@ -117,12 +132,34 @@ class InputGuardMiddleware:
             await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message, "overload", headers)
             return
         self.active += 1
+        held = [0]  # bytes this request holds of the body budget
         try:
-            await self._admit(scope, receive, send)
+            await self._admit(scope, receive, send, held)
         finally:
             self.active -= 1
+            self.body_bytes -= held[0]
+            m.BODY_BYTES.set(self.body_bytes)
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def _take(self, held: list[int], n: int) -> bool:
+        """Count ``n`` more body bytes for a request (``held``) if the budget allows them."""
+        if self.body_bytes + n > self.body_budget:
+            return False
+        self.body_bytes += n
+        held[0] += n
+        m.BODY_BYTES.set(self.body_bytes)
+        return True
+
+    async def _refuse_memory(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ready = self.engine_ready()
+        status = HTTPStatus.TOO_MANY_REQUESTS if ready else HTTPStatus.SERVICE_UNAVAILABLE
+        message = (
+            f"Server busy: the request bodies in progress hold {self.body_bytes} bytes "
+            f"(limit {self.body_budget}{'' if ready else ', engine restarting'}); retry later"
+        )
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        await self._refuse(scope, receive, send, status, message, "memory", headers)
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, held: list[int]) -> None:
         too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self.max_body} bytes"
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
@@ -139,12 +176,16 @@ class InputGuardMiddleware:
             if size > self.max_body:
                 await self._refuse(scope, receive, send, *too_large, "body_too_large")
                 return
+            if not self._take(held, len(chunk)):
+                await self._refuse_memory(scope, receive, send)
+                return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         raw = b"".join(chunks)
+        del chunks
         try:
-            rewritten = await self._check(raw)
+            rewritten = await self._check(raw, generation=route_path(scope) in GENERATION_PATHS)
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
@@ -165,14 +206,19 @@ class InputGuardMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _check(self, raw: bytes) -> bytes | None:
-        """Check the body's media; returns the rewritten body when anything was changed, else None."""
+    async def _check(self, raw: bytes, generation: bool = True) -> bytes | None:
+        """Check the body's known poison (generation routes) and media; returns the rewritten body when
+        anything was changed, else None."""
         body = _parse_json(raw)
         if body is _MALFORMED:
             return None  # vLLM answers malformed JSON with its own 400
         if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
             message = f"request body must be a JSON object, not {type(body).__name__}"
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
+        if generation:
+            rules = self.poison_rules()
+            if (constraint := check_known_poison(body, rules)) is not None:
+                await asyncio.to_thread(check_constraint, constraint, rules)
         # Header-level checks on the event loop (under a millisecond an image: a hop to a thread and back
         # cost more under load, when the loop is busy); off it when the body is large, or when an image
         # must be decoded and re-encoded (tens of ms an image).

@@ -26,6 +26,7 @@ import logging
 from collections.abc import AsyncGenerator, Iterable
 from typing import TYPE_CHECKING, Any
 
+from server.guard.clients import current_client
 from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
 from server.guard.ipc_cache import cache_miss
 from server.guard.quarantine import fingerprint
@@ -101,6 +102,7 @@ class GuardedEngineClient:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         sup = self._supervisor
+        client = current_client.get()
         fp = fingerprint(prompt, sampling_params)
         self._check_quarantine(fp)
         delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
@@ -119,7 +121,7 @@ class GuardedEngineClient:
             attempt_prompt, attempt_params = prompt, sampling_params
             if sent:
                 attempt_prompt, attempt_params = resume_input(prompt, sampling_params, sent)
-            suspect = sup.quarantine.strikes(fp) > 0
+            suspect = sup.is_suspect(fp)
             if not suspect:
                 await sup.inflight.door()  # a suspect is isolated: wait until its first step passed
             async with sup.inflight.probation(suspect):
@@ -128,7 +130,7 @@ class GuardedEngineClient:
                 if not sup.inflight:
                     sup.note_progress(output=False)  # idle -> busy: the hang clock starts now
                 # The death is reported while this request is still on the ledger: it was in flight.
-                with sup.inflight.entered(request_id, fp, generation):
+                with sup.inflight.entered(request_id, fp, generation, client):
                     stripped = False  # images this engine core holds go as their hashes (last, after waits)
                     # Not for n > 1: a stream's samples come apart, so a miss would not be seen as one.
                     if not whole and single and (shadow := sup.ipc_cache(generation)) is not None:
@@ -165,6 +167,8 @@ class GuardedEngineClient:
                             )
                             continue
                         if not cut:
+                            if suspect:
+                                sup.cleared(fp)
                             return
                     except EngineDeadError:
                         sup.report_death(generation)

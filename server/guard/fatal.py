@@ -17,6 +17,7 @@ the build and inherited by the engine-core process), so a record always belongs 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -37,14 +38,22 @@ class FatalRecord:
     Attributes:
         type: the exception's class name.
         message: its message (at most 2000 characters).
-        step_requests: engine-side request ids (``<request id>-<suffix>``) of the step(s) being executed.
+        step_requests: engine-side request ids (``<request id>-<suffix>``) charged with the fault: the
+            request(s) the failing code was handling when it names them (:func:`named_requests`), else
+            those of the step(s) being executed.
         new_requests: those of them that were scheduled for the first time in that step.
+        suspects: when nothing could be charged (a fault in ``schedule()`` or outside a step that named no
+            request), every request the scheduler held: they re-enter one at a time on probation, so the
+            next fault names the culprit.
     """
 
     type: str
     message: str
     step_requests: list[str] = field(default_factory=list)
     new_requests: list[str] = field(default_factory=list)
+    suspects: list[str] = field(default_factory=list)
+    #: whether ``step_requests`` were named by the failing code itself (not the whole step's requests).
+    named: bool = False
 
     def describe(self) -> str:
         """``"<Type>: <message>"``."""
@@ -68,8 +77,51 @@ def read_fatal(state_dir: str | Path) -> FatalRecord | None:
             message=str(data.get("message")),
             step_requests=[str(r) for r in data.get("step_requests") or []],
             new_requests=[str(r) for r in data.get("new_requests") or []],
+            suspects=[str(r) for r in data.get("suspects") or []],
+            named=bool(data.get("named")),
         )
     return None
+
+
+def _is_vllm_request(value: Any) -> bool:
+    """Whether ``value`` is an engine-core request (``vllm.v1.request.Request``; by name, so this module
+    imports nothing of vLLM)."""
+    cls = type(value)
+    return (
+        cls.__name__ == "Request"
+        and cls.__module__.startswith("vllm.")
+        and isinstance(getattr(value, "request_id", None), str)
+    )
+
+
+def named_requests(exc: BaseException) -> list[str]:
+    """The engine-side ids of the request(s) the failing code was handling when ``exc`` was raised.
+
+    Reads the traceback, innermost frame first (then the exceptions it was raised from): the first frame
+    holding a vLLM ``Request`` as a local variable (``add_request(request)``, the scheduler's loop over
+    waiting requests, ``_create_grammar(request)`` in the grammar compiler's thread, the output loop of
+    ``update_from_output``) names every ``Request`` it holds. Works on every vLLM version without naming
+    its functions. A fault raised in another process (a model runner's, reported through the executor)
+    carries no such frame: the caller then charges the step.
+
+    Returns:
+        Sorted request ids; empty when no frame holds a request.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = []
+        tb = current.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for frame in reversed(frames):
+            found = {v.request_id for v in frame.f_locals.values() if _is_vllm_request(v)}
+            if found:
+                return sorted(found)
+        current = current.__cause__ or current.__context__
+    return []
 
 
 @dataclass
@@ -82,14 +134,45 @@ class StepLog:
     failed_in_schedule: bool = False
     #: called with a step's scheduled request ids once its output was processed without error.
     on_step_done: Callable[[list[str]], None] | None = None
+    #: the request(s) the last failure named (:meth:`blame`).
+    culprits: list[str] = field(default_factory=list)
+    #: when the last failure named nobody and no step was executing: every request the scheduler held.
+    suspects: list[str] = field(default_factory=list)
+
+    def blame(self, exc: BaseException, holding: list[str]) -> None:
+        """Decide whom the failure ``exc`` is charged to, before :meth:`in_execution` is read.
+
+        Arguments:
+            exc: what was raised (in ``schedule()``, a model step, ``update_from_output()``, ``add_request``).
+            holding: engine-side ids of every request the scheduler holds now.
+
+        The request(s) the failing code was handling when the traceback names them; else, for a failure
+        outside any executing step, the only request held if there is just one, or no one (every request
+        held becomes a suspect, to re-enter one at a time).
+        """
+        self.culprits = named_requests(exc)
+        self.suspects = []
+        if not self.culprits and (self.failed_in_schedule or not self.steps):
+            if len(holding) == 1:
+                self.culprits = list(holding)
+            else:
+                self.suspects = sorted(holding)
+
+    def forget(self) -> None:
+        """The failure was absorbed: nothing is in execution or blamed any more."""
+        self.steps.clear()
+        self.failed_in_schedule = False
+        self.culprits, self.suspects = [], []
 
     def in_execution(self) -> tuple[list[str], list[str]]:
-        """``(step requests, new requests)`` to charge: those of the steps that were executing (none when
-        the failure came from ``schedule()``)."""
+        """``(step requests, new requests)`` to charge: the request(s) the failure named (:meth:`blame`),
+        else those of the steps that were executing (none when the failure came from ``schedule()``)."""
+        new = {r for _, _, new in self.steps for r in new}
+        if self.culprits:
+            return sorted(self.culprits), sorted(new & set(self.culprits))
         if self.failed_in_schedule:
             return [], []
-        return (sorted({r for _, scheduled, _ in self.steps for r in scheduled}),
-                sorted({r for _, _, new in self.steps for r in new}))  # fmt: skip
+        return sorted({r for _, scheduled, _ in self.steps for r in scheduled}), sorted(new)
 
 
 def remember_steps(scheduler: Any, depth: int) -> StepLog:
@@ -153,12 +236,16 @@ def register() -> None:
             try:
                 return original(self)
             except Exception as exc:
+                with contextlib.suppress(Exception):
+                    log.blame(exc, list(self.scheduler.requests))
                 step_requests, new_requests = log.in_execution()
                 record = {
                     "type": type(exc).__name__,
                     "message": str(exc)[:2000],
                     "step_requests": step_requests,
                     "new_requests": new_requests,
+                    "suspects": log.suspects,
+                    "named": bool(log.culprits),
                 }
                 try:
                     fatal_path(os.environ[ENV], os.getpid()).write_text(json.dumps(record))

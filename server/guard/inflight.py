@@ -32,7 +32,7 @@ class InflightLedger:
     def __init__(self, hold_timeout_s: float, drain_timeout_s: float = 30.0) -> None:
         self.hold_timeout_s = hold_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        self._requests: dict[str, tuple[str, int]] = {}  # request id -> (fingerprint, engine generation)
+        self._requests: dict[str, tuple[str, int, str]] = {}  # request id -> (fingerprint, generation, client)
         self._probation = asyncio.Lock()
         self._empty = asyncio.Event()  # set while no request is inside an engine
         self._empty.set()
@@ -47,12 +47,18 @@ class InflightLedger:
 
     def requests(self, generation: int) -> dict[str, str]:
         """Request id -> fingerprint of the requests inside engine ``generation``."""
-        return {rid: fp for rid, (fp, gen) in self._requests.items() if gen == generation}
+        return {rid: fp for rid, (fp, gen, _) in self._requests.items() if gen == generation}
+
+    def client_of(self, request_id: str) -> str:
+        """The client (:func:`server.guard.clients.client_key`) that sent ``request_id`` ("" if unknown)."""
+        entry = self._requests.get(request_id)
+        return entry[2] if entry is not None else ""
 
     @contextlib.contextmanager
-    def entered(self, request_id: str, fp: str, generation: int) -> Iterator[None]:
-        """Record ``request_id`` as inside engine ``generation`` for the duration of the block."""
-        self._requests[request_id] = (fp, generation)
+    def entered(self, request_id: str, fp: str, generation: int, client: str = "") -> Iterator[None]:
+        """Record ``request_id`` (sent by ``client``) as inside engine ``generation`` for the duration of
+        the block."""
+        self._requests[request_id] = (fp, generation, client)
         self._empty.clear()
         m.REQUESTS_INFLIGHT.set(len(self._requests))
         try:

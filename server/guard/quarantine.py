@@ -116,6 +116,6 @@ class Quarantine:
         QuarantinedRequestError: ``fp`` is quarantined."""
         if self.is_quarantined(fp):
             raise QuarantinedRequestError(
-                f"Request refused: an identical request was in the failing step of {self.deaths} engine faults and is "
+                f"Request refused: an identical request was charged with {self.deaths} engine faults and is "
                 f"quarantined (fingerprint {fp}). Change the request or contact the operator."
             )

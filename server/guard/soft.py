@@ -122,11 +122,16 @@ class SoftPolicy:
             return f"{len(self._times)} soft recoveries within {self.window_s:g} s"
         return None
 
-    def absorbed(self, step_requests: Iterable[str], cut: Iterable[str]) -> None:
-        """A fault was absorbed: count it; the first step of what it cut is on watch (added to what an
-        earlier recovery's carried requests still owe)."""
-        self._times.append(self.clock())
-        self._suspects |= request_bases(step_requests)
+    def absorbed(self, step_requests: Iterable[str], cut: Iterable[str], suspects: Iterable[str] = ()) -> None:
+        """A fault was absorbed: the first step of what it cut is on watch (added to what an earlier
+        recovery's carried requests still owe). It counts against ``max_recoveries`` only when it was
+        charged to no request (``step_requests`` empty): a fault charged to requests is theirs to pay
+        (the guard's quarantine and per-client budget), not the engine's health budget. ``suspects`` (a
+        fault that named nobody) may fail again without the engine being to blame, like charged ones."""
+        charged = request_bases(step_requests)
+        if not charged:
+            self._times.append(self.clock())
+        self._suspects |= charged | request_bases(suspects)
         self._carried |= request_bases(cut)
 
     def step_passed(self, step_requests: Iterable[str]) -> None:
@@ -145,6 +150,9 @@ class SoftFault:
             :class:`server.guard.fatal.FatalRecord`.
         cut: engine-side ids of every request finished with ``ERROR`` for the guard to carry over.
         recovery_s: seconds from the exception to the engine accepting work again.
+        suspects: engine-side ids to re-enter one at a time when the fault named no request (see
+            :class:`server.guard.fatal.FatalRecord`).
+        named: whether ``step_requests`` were named by the failing code (not the whole step's).
     """
 
     type: str
@@ -153,6 +161,8 @@ class SoftFault:
     new_requests: list[str]
     cut: list[str]
     recovery_s: float
+    suspects: list[str] = field(default_factory=list)
+    named: bool = False
 
     def describe(self) -> str:
         """``"<Type>: <message>"``."""
@@ -176,6 +186,8 @@ def read_soft_faults(state_dir: str | Path, skip: Iterable[str] = ()) -> list[tu
                 new_requests=[str(r) for r in data["new_requests"]],
                 cut=[str(r) for r in data["cut"]],
                 recovery_s=float(data["recovery_s"]),
+                suspects=[str(r) for r in data.get("suspects") or []],
+                named=bool(data.get("named")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -201,7 +213,9 @@ class _Unabsorbable(Exception):
     pass
 
 
-def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int) -> SoftFault:
+def absorb(
+    core: Any, exc: BaseException, log: StepLog, started: float, seq: int, also_cut: Iterable[tuple[str, int]] = ()
+) -> SoftFault:
     """Make the engine core trustworthy again after ``exc`` (see the module docstring, steps 1-4).
 
     Arguments:
@@ -210,6 +224,8 @@ def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int
         log: the steps in execution (their requests are charged).
         started: ``time.monotonic()`` when the step raised.
         seq: this engine core's soft-recovery count (names the record).
+        also_cut: ``(request id, client index)`` of a request being admitted that the scheduler may not
+            hold yet: it gets its ``ERROR`` finish too.
 
     Returns:
         The record written.
@@ -233,6 +249,7 @@ def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int
     scheduler = core.scheduler
     cut = finished_requests(scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR))
     cut += _drop_freed_requests(scheduler)
+    cut += [entry for entry in also_cut if entry[0] not in {rid for rid, _ in cut}]
     if isinstance(prev := getattr(scheduler, "prev_step_scheduled_req_ids", None), set):
         prev.clear()
     if not scheduler.reset_prefix_cache():
@@ -245,11 +262,12 @@ def absorb(core: Any, exc: BaseException, log: StepLog, started: float, seq: int
         new_requests=new_requests,
         cut=sorted({rid for rid, _ in cut}),
         recovery_s=time.monotonic() - started,
+        suspects=list(log.suspects),
+        named=bool(log.culprits),
     )
     path = Path(os.environ[STATE_DIR_ENV]) / f"soft-{os.getpid()}-{seq}.json"
     path.write_text(json.dumps(record.__dict__))  # before the finishes: the guard reads it when one arrives
-    log.steps.clear()  # only now: had anything above failed, the fatal record would still charge the step
-    log.failed_in_schedule = False
+    log.forget()  # only now: had anything above failed, the fatal record would still charge the step
     _send_error_finishes(core, cut)
     return record
 
@@ -286,40 +304,54 @@ def _send_error_finishes(core: Any, cut: list[tuple[str, int]]) -> None:
 
 
 def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
-    """Wrap ``core.step_fn`` (this instance) so that a step's exception is absorbed where ``policy``
-    allows it and re-raised otherwise (the engine core then dies as before and the guard rebuilds).
+    """Wrap ``core.step_fn`` and ``core.add_request`` (this instance) so that an exception raised while
+    the engine core admits a request, schedules, runs the model or processes a step's output is absorbed
+    where ``policy`` allows it and re-raised otherwise (the engine core then dies as before and the guard
+    rebuilds). The fault is charged to the request(s) the failing code named (:meth:`StepLog.blame`).
     Not for pooling models (vLLM's output processor expects their outputs to carry a pooling result)."""
     if getattr(core, "is_pooling_model", False):
         logger.info("vlguard: soft recovery is for generating models; step faults rebuild this engine")
         return
-    step = core.step_fn
+    step, add_request = core.step_fn, core.add_request
     seq = 0
     log.on_step_done = policy.step_passed
 
-    def guarded_step() -> Any:
+    def recover(exc: Exception, also_cut: Iterable[tuple[str, int]] = ()) -> None:
+        """Absorb ``exc`` or re-raise it."""
         nonlocal seq
+        started = time.monotonic()
+        log.blame(exc, list(core.scheduler.requests))
+        step_requests = log.in_execution()[0]
+        why = policy.escalation(exc, step_requests)
+        if why is not None:
+            logger.error("vlguard: engine step failed (%s: %s); not absorbed: %s", type(exc).__name__, exc, why)
+            raise exc
         try:
-            outputs, model_executed = step()
+            seq += 1
+            record = absorb(core, exc, log, started, seq, also_cut)
+        except Exception as failure:
+            logger.error("vlguard: soft recovery failed (%s: %s); escalating to a rebuild",
+                         type(failure).__name__, failure)  # fmt: skip
+            raise exc from None
+        policy.absorbed(step_requests, record.cut, record.suspects)
+        logger.warning(
+            "vlguard: engine step failed (%s); absorbed in %.3f s: %d request(s) cut for the guard to carry over",
+            record.describe()[:300], record.recovery_s, len(record.cut),
+        )  # fmt: skip
+
+    def guarded_step() -> Any:
+        try:
+            return step()
         except Exception as exc:
-            started = time.monotonic()
-            step_requests = log.in_execution()[0]
-            why = policy.escalation(exc, step_requests)
-            if why is not None:
-                logger.error("vlguard: engine step failed (%s: %s); not absorbed: %s", type(exc).__name__, exc, why)
-                raise
-            try:
-                seq += 1
-                record = absorb(core, exc, log, started, seq)
-            except Exception as failure:
-                logger.error("vlguard: soft recovery failed (%s: %s); escalating to a rebuild",
-                             type(failure).__name__, failure)  # fmt: skip
-                raise exc from None
-            policy.absorbed(step_requests, record.cut)
-            logger.warning(
-                "vlguard: engine step failed (%s); absorbed in %.3f s: %d request(s) cut for the guard to carry over",
-                record.describe()[:300], record.recovery_s, len(record.cut),
-            )  # fmt: skip
+            recover(exc)
             return {}, False
-        return outputs, model_executed
+
+    def guarded_add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return add_request(request, *args, **kwargs)
+        except Exception as exc:
+            recover(exc, [(request.request_id, request.client_index)])
+            return None
 
     core.step_fn = guarded_step
+    core.add_request = guarded_add_request

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from server.guard import fatal, ipc_cache, watchdog
+from server.guard.clients import ClientBudget
 from server.guard.errors import EngineUnavailableError
 from server.guard.fatal import FatalRecord, read_fatal
 from server.guard.inflight import InflightLedger
@@ -188,6 +189,12 @@ class Supervisor:
         self.quarantine = Quarantine(
             settings.quarantine_deaths, settings.quarantine_size, settings.quarantine_ttl, clock=clock
         )
+        #: per-client fault budget (:mod:`server.guard.clients`)
+        self.clients = ClientBudget(
+            settings.client_fault_max, settings.restart_window, settings.client_cooldown, clock=clock
+        )
+        #: fingerprints to run on probation without a strike: in the engine when a fault named no request
+        self.suspects: set[str] = set()
         self.generation = 0  # increments with every engine built
         self.state = EngineState.STOPPED
         self._engine: Engine | None = None
@@ -442,7 +449,7 @@ class Supervisor:
         m.ENGINE_DEATHS.labels(cause=cause.value).inc()
         inflight = self.inflight.requests(generation)
         charged = charged_requests(inflight, record)
-        self._charge(inflight, charged)
+        self._charge(inflight, charged, record)
         logger.error(
             "engine generation %d died (cause: %s) with %d request(s) in flight; %s; restarting in-process",
             generation, cause.value, len(inflight),
@@ -450,15 +457,39 @@ class Supervisor:
             + ", ".join(sorted({inflight[r] for r in charged}))
             if charged else "no request charged (no step raised: a kill, crash or hang is no evidence against one)",
         )  # fmt: skip
-        self._restart_task = asyncio.create_task(self._restart(), name="vlguard-restart")
+        # A fault charged to requests is theirs: their strikes and their client's budget, not the restart budget.
+        self._restart_task = asyncio.create_task(self._restart(counted=not charged), name="vlguard-restart")
 
-    def _charge(self, inflight: dict[str, str], charged: list[str]) -> None:
-        """Give each charged request (id -> fingerprint in ``inflight``) a strike."""
+    def _charge(self, inflight: dict[str, str], charged: list[str], record: FatalRecord | SoftFault | None) -> None:
+        """Give each charged request (id -> fingerprint in ``inflight``) a strike; charge its client's fault
+        budget when the fault named that request alone; put a fault's suspects (it named nobody) on
+        probation."""
+        evidence = "named" if record is not None and record.named else "step_exception"
         if charged:
-            m.QUARANTINE_STRIKES.labels(evidence="step_exception").inc(len(charged))
+            m.QUARANTINE_STRIKES.labels(evidence=evidence).inc(len(charged))
         for fp in self.quarantine.record_death(inflight[rid] for rid in charged):
-            logger.error("request %s quarantined: in the failing step at %d engine faults", fp, self.quarantine.deaths)
+            logger.error("request %s quarantined: charged with %d engine faults", fp, self.quarantine.deaths)
         m.QUARANTINED.set(self.quarantine.quarantined_count())
+        if len(charged) == 1 and (client := self.inflight.client_of(charged[0])):
+            m.CLIENT_FAULTS.inc()
+            for refused in self.clients.charge([client]):
+                logger.error("client %s refused for %.0f s: its requests caused %d engine faults",
+                             refused, self.settings.client_cooldown, self.settings.client_fault_max)  # fmt: skip
+            m.CLIENTS_REFUSED.set(self.clients.refused_count())
+        if record is not None and record.suspects and not charged:
+            suspects = api_ids(record.suspects)
+            self.suspects |= {fp for rid, fp in inflight.items() if rid in suspects}
+            while len(self.suspects) > self.settings.quarantine_size:
+                self.suspects.pop()
+
+    def is_suspect(self, fp: str) -> bool:
+        """Whether ``fp`` runs on probation: it has a strike, or was in the engine at a fault that named no
+        request (until it completes once)."""
+        return fp in self.suspects or self.quarantine.strikes(fp) > 0
+
+    def cleared(self, fp: str) -> None:
+        """``fp`` ran to its end on probation: no longer a suspect (its strikes stay)."""
+        self.suspects.discard(fp)
 
     def absorb_soft_faults(self, generation: int) -> None:
         """Count the faults engine ``generation`` absorbed since the last call (soft recovery,
@@ -476,7 +507,7 @@ class Supervisor:
             m.RECOVERY_DURATION.labels(kind="soft").observe(record.recovery_s)
             inflight = self.inflight.requests(generation)
             charged = charged_requests(inflight, record)
-            self._charge(inflight, charged)
+            self._charge(inflight, charged, record)
             logger.error(
                 "engine generation %d: step fault (cause: %s) absorbed in %.3f s; %d request(s) cut and carried "
                 "over; %s: %s",
@@ -515,7 +546,9 @@ class Supervisor:
         for pid in killed:
             mark_process_dead(pid)
 
-    async def _restart(self) -> None:
+    async def _restart(self, counted: bool = True) -> None:
+        """Tear the dead engine down and build a new one, within the restart budget (``counted``: whether
+        this death spends it; a fault charged to requests does not)."""
         died_at = self.clock()
         await self._teardown()
         gc.unfreeze()  # the dead engine's objects were frozen with the startup heap: let the collector have them
@@ -532,7 +565,8 @@ class Supervisor:
                 )  # fmt: skip
                 self._fail()
                 return
-            self._restarts.append(now)
+            if counted or failures:  # a failed attempt always counts: the engine, not a request, is at fault
+                self._restarts.append(now)
             try:
                 await self._bring_up()
             except Exception:

@@ -127,7 +127,7 @@ API_TASKS = Gauge(
 )
 REQUESTS_REJECTED = Counter(
     "vlguard_requests_rejected",
-    "Requests refused at the door, by reason (media, body, body_too_large, overload).",
+    "Requests refused at the door, by reason (media, body, body_too_large, overload, client_faults, poison, memory).",
     ["reason"],
 )
 REQUESTS_QUARANTINED = Counter(
@@ -135,9 +135,25 @@ REQUESTS_QUARANTINED = Counter(
 )
 QUARANTINE_STRIKES = Counter(
     "vlguard_quarantine_strikes",
-    "Strikes the quarantine charged to requests, by evidence (step_exception: the request was in the step "
-    "whose execution raised). Kills, crashes and hangs charge nobody.",
+    "Strikes the quarantine charged to requests, by evidence (named: the failing code was handling the "
+    "request; step_exception: the request was in the step whose execution raised). Kills, crashes and "
+    "hangs charge nobody.",
     ["evidence"],
+)
+BODY_BYTES = Gauge(
+    "vlguard_request_body_bytes",
+    "Bytes of the request bodies inside the API process now (bounded by --guard-max-body-memory-mb).",
+    multiprocess_mode="mostrecent",
+)
+CLIENT_FAULTS = Counter(
+    "vlguard_client_faults",
+    "Engine faults charged to one client's request with certainty (the fault named that request alone); "
+    "they count against the client's fault budget, not the engine's soft-recovery or restart budgets.",
+)
+CLIENTS_REFUSED = Gauge(
+    "vlguard_clients_refused",
+    "Clients refused now (429) because their requests caused too many engine faults (--guard-client-fault-max).",
+    multiprocess_mode="mostrecent",
 )
 SPARE_UP = Gauge(
     "vlguard_engine_spare_up",
@@ -163,6 +179,7 @@ for _outcome in ("success", "failure"):
 for _kind in ("soft", "rebuild"):
     ENGINE_RECOVERIES.labels(kind=_kind)
     RECOVERY_DURATION.labels(kind=_kind)
-QUARANTINE_STRIKES.labels(evidence="step_exception")
-for _reason in ("media", "body", "body_too_large", "overload"):
+for _evidence in ("named", "step_exception"):
+    QUARANTINE_STRIKES.labels(evidence=_evidence)
+for _reason in ("media", "body", "body_too_large", "overload", "client_faults", "poison", "memory"):
     REQUESTS_REJECTED.labels(reason=_reason)

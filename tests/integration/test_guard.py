@@ -30,7 +30,9 @@ POISON_WORD = " Xylophonequartzmarker"  # its step raises in the worker (the mod
 EXIT_WORD = " Zanzibarjunipermarker"  # its worker process exits in the middle of the step (a crash)
 DEVICE_WORD = " Quagmireobsidianmarker"  # its step raises what reads as a CUDA error (a poisoned device)
 CORE_WORD = " Vermilionkumquatmarker"  # the engine core raises processing its step's output
-WORDS = (POISON_WORD, EXIT_WORD, DEVICE_WORD, CORE_WORD)
+ADMIT_WORD = " Quokkatambourinemarker"  # the scheduler raises admitting it (inside schedule(), not a step)
+OUTPUT_WORD = " Wombatcardamommarker"  # the scheduler raises processing its own new tokens
+WORDS = (POISON_WORD, EXIT_WORD, DEVICE_WORD, CORE_WORD, ADMIT_WORD, OUTPUT_WORD)
 GUARD_FLAGS = (
     "--enforce-eager",
     "--guard-hang-timeout", "10",
@@ -38,6 +40,7 @@ GUARD_FLAGS = (
     "--guard-ready-probe-interval", "2",
     "--guard-quarantine-deaths", "2",
     "--guard-restart-max", "20",
+    "--guard-client-fault-max", "0",  # every test here is the same loopback client: no cool-down between them
 )  # fmt: skip
 
 
@@ -67,6 +70,8 @@ def guarded(
         VLGUARD_TEST_POISON_DEVICE_TOKENS=",".join(map(str, poison_ids[DEVICE_WORD])),
         VLGUARD_TEST_POISON_DEVICE_ONCE=str(tmp_path_factory.mktemp("flags") / "device-fault-happened"),
         VLGUARD_TEST_POISON_CORE_TOKENS=",".join(map(str, poison_ids[CORE_WORD])),
+        VLGUARD_TEST_POISON_ADMIT_TOKENS=",".join(map(str, poison_ids[ADMIT_WORD])),
+        VLGUARD_TEST_POISON_OUTPUT_TOKENS=",".join(map(str, poison_ids[OUTPUT_WORD])),
         NOTIFY_SOCKET=str(notify.path),
         WATCHDOG_USEC="2000000",
     )
@@ -225,6 +230,34 @@ def test_poison_request_is_quarantined_while_other_traffic_succeeds(
     assert metric(guarded, "vlguard_engine_deaths_total") == deaths
     assert metric(guarded, "vlguard_requests_quarantined_total") >= 2
     assert word.strip() not in guarded.log_path.read_text()  # logs carry the fingerprint only
+
+
+@pytest.mark.parametrize("word", [ADMIT_WORD, OUTPUT_WORD], ids=["while-admitting", "processing-its-output"])
+def test_a_fault_outside_the_model_step_is_charged_to_its_request(
+    guarded: ServerProcess, model_name: str, word: str
+) -> None:
+    """#33: the engine core raises while its scheduler admits the poison (inside ``schedule()``, before
+    any model step: charged to nobody before, so every fault of it cut everything and ended in a rebuild
+    and a 503) or while it processes the poison's own tokens after a step shared with others. The failing
+    code names its request: the poison alone is charged, quarantined after two faults with a 400, no
+    rebuild, and every innocent in flight is served."""
+    client = client_for(guarded)
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
+    before, named = recoveries(guarded), labelled(guarded, "vlguard_quarantine_strikes_total", "evidence")["named"]
+    poison = [{"role": "user", "content": f"Please check{word} now."}]
+    good = [[{"role": "user", "content": f"Is ladder {i} secured?"}] for i in range(6)]
+    with ThreadPoolExecutor(7) as pool:
+        others = [pool.submit(client.chat.completions.create, model=model_name, messages=m, max_tokens=16,
+                              temperature=0, extra_body={"ignore_eos": True}) for m in good]  # fmt: skip
+        bad = pool.submit(client.chat.completions.with_raw_response.create, model=model_name, messages=poison,
+                          max_tokens=4)  # fmt: skip
+        with pytest.raises(Exception) as refused:
+            bad.result()
+        assert [len(f.result().choices) for f in others] == [1] * 6
+    assert getattr(refused.value, "status_code", None) == 400 and "quarantined" in str(refused.value)
+    after = recoveries(guarded)
+    assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
+    assert labelled(guarded, "vlguard_quarantine_strikes_total", "evidence")["named"] == named + 2
 
 
 def test_a_device_error_rebuilds_and_the_request_is_served(guarded: ServerProcess, model_name: str) -> None:

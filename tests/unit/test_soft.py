@@ -73,16 +73,27 @@ def test_a_new_fault_in_the_first_step_of_the_carried_requests_escalates_unless_
     assert policy.escalation(ValueError("x"), ["ok-4444dddd"]) is None
 
 
-def test_more_than_max_recoveries_in_the_window_escalates() -> None:
+def test_more_than_max_uncharged_recoveries_in_the_window_escalates() -> None:
     clock = Clock()
     policy = SoftPolicy(max_recoveries=2, window_s=60, clock=clock)
     for _ in range(2):
-        assert policy.escalation(ValueError("x"), ["a-1"]) is None
-        policy.absorbed(["a-1"], cut=["a-1"])
+        assert policy.escalation(ValueError("x"), []) is None
+        policy.absorbed([], cut=["a-1"])
         policy.step_passed(["a-2"])
-    assert policy.escalation(ValueError("x"), ["a-1"]) == "2 soft recoveries within 60 s"
+    assert policy.escalation(ValueError("x"), []) == "2 soft recoveries within 60 s"
     clock.now += 61
-    assert policy.escalation(ValueError("x"), ["a-1"]) is None
+    assert policy.escalation(ValueError("x"), []) is None
+
+
+def test_faults_charged_to_requests_do_not_spend_the_engine_budget() -> None:
+    """#33: a deterministic poison (or a client varying one) is the quarantine's and the client budget's
+    business; rebuilding cannot help it, so its faults never escalate by count."""
+    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=Clock())
+    for i in range(10):
+        assert policy.escalation(ValueError("x"), [f"poison{i}-1"]) is None
+        policy.absorbed([f"poison{i}-1"], cut=[f"poison{i}-1"])
+        policy.step_passed([f"poison{i}-2"])
+    assert policy.escalation(ValueError("x"), []) is None  # the budget is still whole
 
 
 def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,6 +166,9 @@ class FakeCore:
         self.output_queue = self
         self.batch_queue = None
         self.fail: Exception | None = ValueError("Requested more deepstack tokens than available in buffer")
+
+    def add_request(self, request: Any, wave: int = 0) -> None:
+        self.scheduler.requests[request.request_id] = request
 
     def step_fn(self) -> tuple[dict[int, Any], bool]:
         out = self.scheduler.schedule()
@@ -246,3 +260,90 @@ def test_pooling_models_are_left_alone(tmp_path: Path) -> None:
     step = core.step_fn
     soft.install(core, remember_steps(core.scheduler, 1), SoftPolicy())
     assert core.step_fn == step
+
+
+class Request:
+    """Stands in for ``vllm.v1.request.Request`` (matched by class name and module)."""
+
+    __module__ = "vllm.v1.request"
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.client_index = request_id, 0
+
+
+class GrammarScheduler(FakeScheduler):
+    """A scheduler whose ``schedule()`` compiles a waiting request's grammar, which raises for ``bad``."""
+
+    def __init__(self, events: list[str], bad: str | None, *ids: str) -> None:
+        super().__init__(events, *ids)
+        self.bad = bad
+
+    def schedule(self) -> Any:
+        for request in [Request(rid) for rid in self.requests]:
+            self._grammar(request)
+        return super().schedule()
+
+    def _grammar(self, request: Request) -> None:
+        if request.request_id == self.bad:
+            raise ValueError("No valid structured output parameter found")
+
+
+def test_a_fault_while_scheduling_is_charged_to_the_request_it_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#33: the structured-output grammar of one request fails inside ``schedule()``: the traceback names
+    it, so it alone is charged (before: nobody, and every fault of it ended in a rebuild)."""
+    core, log, _ = installed(tmp_path, monkeypatch, "ok-1", "poison-2", "ok-3")
+    core.fail = None
+    core.scheduler = GrammarScheduler(core.events, "poison-2", "ok-1", "poison-2", "ok-3")
+    log = remember_steps(core.scheduler, 1)
+    policy = SoftPolicy(max_recoveries=1)
+    soft.install(core, log, policy)
+    assert core.step_fn() == ({}, False)
+    [(_, record)] = read_soft_faults(tmp_path)
+    assert (record.step_requests, record.named, record.suspects) == (["poison-2"], True, [])
+    assert record.cut == ["ok-1", "ok-3", "poison-2"]
+    # It comes back beside the carried innocents and fails again: absorbed again (the suspect is in it),
+    # and the engine's budget of one uncharged recovery is still unspent.
+    core.scheduler.requests = {rid: FakeRequest(rid) for rid in ("ok-4", "poison-5")}
+    core.scheduler.bad = "poison-5"
+    assert core.step_fn() == ({}, False)
+    assert policy.escalation(ValueError("x"), []) is None
+
+
+def test_a_fault_that_names_nobody_makes_every_request_held_a_suspect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#33: ``schedule()`` raises with no request in reach: nobody is charged, every request held is a
+    suspect (they re-enter one at a time); alone in the engine, the next such fault is its own."""
+    monkeypatch.setenv(soft.STATE_DIR_ENV, str(tmp_path))
+    core = FakeCore([], tmp_path, "a-1", "b-2")
+
+    def schedule() -> Any:
+        raise AssertionError("scheduler bookkeeping")
+
+    core.scheduler.schedule = schedule  # type: ignore[method-assign]
+    soft.install(core, remember_steps(core.scheduler, 1), SoftPolicy())
+    assert core.step_fn() == ({}, False)
+    core.scheduler.requests = {"b-3": FakeRequest("b-3")}
+    assert core.step_fn() == ({}, False)
+    first, second = (r for _, r in read_soft_faults(tmp_path))
+    assert (first.step_requests, first.suspects, first.named) == ([], ["a-1", "b-2"], False)
+    assert (second.step_requests, second.suspects) == (["b-3"], [])
+
+
+def test_a_fault_while_admitting_a_request_cuts_and_charges_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception from ``EngineCore.add_request`` (outside any step) is absorbed like a step's: the
+    request being added is charged and gets its ERROR finish even though the scheduler never held it."""
+    core, _, events = installed(tmp_path, monkeypatch, "a-1")
+
+    def add_request(request: Any, wave: int = 0) -> None:
+        raise TypeError("request_id must be a string")
+
+    core.add_request = add_request  # type: ignore[attr-defined]
+    log = remember_steps(core.scheduler, 1)
+    soft.install(core, log, SoftPolicy())
+    core.add_request(Request("new-9"), 0)  # type: ignore[attr-defined]
+    [(_, record)] = read_soft_faults(tmp_path)
+    assert (record.step_requests, record.cut, record.named) == (["new-9"], ["a-1", "new-9"], True)
+    assert events[-1].startswith("outputs ['a-1', 'new-9']")

@@ -16,6 +16,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from server.guard.clients import ClientBudget, ClientRefusedError, client_key, current_client
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.errors import EngineUnavailableError, QuarantinedRequestError
 from server.guard.supervisor import EngineState, Supervisor
@@ -490,3 +491,50 @@ async def test_a_suspect_runs_beside_others_after_the_drain_timeout(make_guard: 
     await asyncio.wait_for(engine.wait_for_requests(seen + 2), WAIT_S)  # bounded: it went in beside "running"
     engine.resume()
     await asyncio.wait_for(asyncio.gather(running, suspect), WAIT_S)
+
+
+async def test_faults_charged_to_one_request_spend_its_clients_budget_not_the_restart_budget(
+    make_guard: Callable[..., Any],
+) -> None:
+    """#33: a poison that kills its engine twice (charged each time: it ran alone) is quarantined without
+    spending the restart budget (one restart allowed here, two rebuilt), and its client, not the engine,
+    pays: with a budget of two faults the client is refused; another client is not."""
+    g = await make_guard(quarantine_deaths=2, max_replays=5, restart_max=1, client_fault_max=2, client_cooldown=30)
+
+    async def as_client(client: str, ids: list[int], rid: str) -> list[int]:
+        current_client.set(client)
+        return await g.collect(ids, rid=rid)
+
+    with pytest.raises(QuarantinedRequestError):
+        await asyncio.wait_for(as_client("addr:10.0.0.9", [1, POISON], "poison"), WAIT_S)
+    await g.state(EngineState.READY, EngineState.FAILED)
+    assert (g.sup.generation, g.sup.state, g.failed_calls) == (3, EngineState.READY, 0)
+    with pytest.raises(ClientRefusedError) as refused:
+        g.sup.clients.check("addr:10.0.0.9")
+    assert refused.value.status == 429 and 29 < refused.value.retry_after_s <= 30
+    g.sup.clients.check("addr:10.0.0.7")  # another client is served
+    assert await as_client("addr:10.0.0.7", [7, 1], "ok") == greedy_tokens([7, 1], 4)
+    g.clock.now += 31
+    g.sup.clients.check("addr:10.0.0.9")  # the cool-down is over
+
+
+def test_client_budget_counts_within_the_window_and_refuses_again_inside_it() -> None:
+    clock = Clock()
+    budget = ClientBudget(max_faults=2, window_s=100, cooldown_s=10, clock=clock)
+    assert budget.charge(["a"]) == [] and budget.refused_for("a") == 0
+    clock.now += 50
+    assert budget.charge(["a", "b"]) == ["a"]  # two within 100 s
+    assert budget.refused_for("a") == 10 and budget.refused_count() == 1
+    clock.now += 11
+    assert budget.refused_for("a") == 0  # cool-down over, but its faults still count in the window
+    assert budget.charge(["a"]) == ["a"]
+    clock.now += 200
+    assert budget.charge(["a"]) == [] and budget.refused_for("a") == 0  # the window moved on
+    assert ClientBudget(0, 100, 10).charge(["a"] * 5) == []  # 0: never refuse
+
+
+def test_client_key_is_the_presented_key_else_the_address() -> None:
+    scope = {"headers": [(b"authorization", b"Bearer sk-123")], "client": ("127.0.0.1", 5000)}
+    assert client_key(scope, keyed=True).startswith("key:") and "sk-123" not in client_key(scope, keyed=True)
+    assert client_key(scope, keyed=False) == "addr:127.0.0.1"
+    assert client_key({"headers": []}, keyed=True) == "addr:unknown"

@@ -15,6 +15,13 @@ the request runs normally (a transient device fault: the rebuilt engine serves t
 ``VLGUARD_TEST_POISON_CORE_TOKENS="12,34"``: the engine core's scheduler raises while processing the
 output of a step holding such a request, in the engine-core process (not the worker).
 
+``VLGUARD_TEST_POISON_ADMIT_TOKENS="12,34"``: the scheduler raises while it admits such a request (looking
+up its prefix-cache hit inside ``schedule()``), in the engine-core process: a fault outside the model step
+that only the request being admitted explains (a grammar that fails to compile faults the same way).
+
+``VLGUARD_TEST_POISON_OUTPUT_TOKENS="12,34"``: the scheduler raises while it processes such a request's
+new tokens (``update_from_output``, per request), after a model step that may hold other requests too.
+
 ``VLGUARD_TEST_SLOW_STEPS_IF=/path``: while that file exists, every step of the model runner first sleeps
 ``SLOW_STEP_S``: requests decode for a known minimum time, so a test can send a fault while they are in
 the engine without making them long (the test creates the file, and removes it when done).
@@ -38,6 +45,8 @@ POISON_ENV = "VLGUARD_TEST_POISON_TOKENS"
 POISON_EXIT_ENV = "VLGUARD_TEST_POISON_EXIT_TOKENS"
 POISON_DEVICE_ENV = "VLGUARD_TEST_POISON_DEVICE_TOKENS"
 POISON_CORE_ENV = "VLGUARD_TEST_POISON_CORE_TOKENS"
+POISON_ADMIT_ENV = "VLGUARD_TEST_POISON_ADMIT_TOKENS"
+POISON_OUTPUT_ENV = "VLGUARD_TEST_POISON_OUTPUT_TOKENS"
 DEVICE_ONCE_ENV = "VLGUARD_TEST_POISON_DEVICE_ONCE"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"
@@ -61,6 +70,10 @@ def register() -> None:
         _poison_model_runner(raise_on, exit_on, device_on, slow_flag)
     if core_on := _needle(POISON_CORE_ENV):
         _poison_scheduler(core_on)
+    if admit_on := _needle(POISON_ADMIT_ENV):
+        _poison_admission(admit_on)
+    if output_on := _needle(POISON_OUTPUT_ENV):
+        _poison_output(output_on)
     if drop_flag := os.environ.get(DROP_MM_CACHE_ENV):
         _drop_mm_cache(drop_flag)
 
@@ -109,6 +122,40 @@ def _poison_scheduler(core_on: list[int]) -> None:
     update_from_output.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     logger.warning("vlguard test plugin: steps holding tokens %s fail in the engine core", core_on)
+
+
+def _poison_admission(needle: list[int]) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    original = KVCacheManager.get_computed_blocks
+    if getattr(original, "__vlguard_test_fault__", False):
+        return
+
+    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if contains(list(request.prompt_token_ids or []), needle):
+            raise RuntimeError("vlguard test fault: the scheduler failed admitting a request")
+        return original(self, request, *args, **kwargs)
+
+    get_computed_blocks.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
+    KVCacheManager.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+    logger.warning("vlguard test plugin: admitting a request holding tokens %s fails in the scheduler", needle)
+
+
+def _poison_output(needle: list[int]) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler._update_request_with_output
+    if getattr(original, "__vlguard_test_fault__", False):
+        return
+
+    def update_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if contains(list(request.prompt_token_ids or []), needle):
+            raise RuntimeError("vlguard test fault: processing a request's output failed")
+        return original(self, request, *args, **kwargs)
+
+    update_request.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
+    Scheduler._update_request_with_output = update_request  # type: ignore[method-assign]
+    logger.warning("vlguard test plugin: processing the output of requests holding tokens %s fails", needle)
 
 
 def _drop_mm_cache(flag: str) -> None:

@@ -1,0 +1,97 @@
+"""The served model's facts the door's poison rules need (:class:`server.api.poison.PoisonRules`), read
+from vLLM's configs and tokenizer once the engine is up, and the structured-output compile check.
+
+The compile check runs vLLM's own code for the backend the engine compiles with: the API-side validation
+(``validate_xgrammar_grammar``: choices become a grammar, Lark becomes EBNF), the engine's key
+(``get_structured_output_key``) and ``XgrammarBackend.compile_grammar`` over the served tokenizer, as the
+engine core's ``StructuredOutputManager`` does (vllm#43920; the engine-side fix is vllm PR #47312).
+With ``auto`` the engine latches onto xgrammar for its first constraint, so a constraint xgrammar
+cannot compile is refused even though vLLM's per-request validation would fall back to guidance.
+Other configured backends (guidance, outlines, lm-format-enforcer) are not compiled at the door: their
+faults are charged to the request by the engine guard.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+from server.api.poison import ConstraintCompiler, PoisonRules
+
+logger = logging.getLogger(__name__)
+
+#: hf_config attributes naming multimodal placeholder tokens (Qwen2/2.5/3-VL and most VLMs).
+_PLACEHOLDER_ATTRS = (
+    "image_token_id",
+    "video_token_id",
+    "audio_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "image_token_index",
+    "video_token_index",
+)
+
+
+def placeholder_tokens(hf_config: Any, tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's strings for the model's multimodal placeholder tokens (``<|image_pad|>`` ...)."""
+    ids = {getattr(hf_config, a, None) for a in _PLACEHOLDER_ATTRS}
+    ids |= {getattr(getattr(hf_config, "text_config", None), a, None) for a in _PLACEHOLDER_ATTRS}
+    found = []
+    for token_id in sorted(i for i in ids if isinstance(i, int)):
+        try:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+        except Exception:
+            continue
+        if isinstance(token, str) and token:
+            found.append(token)
+    return tuple(found)
+
+
+def xgrammar_compiler(vllm_config: Any, tokenizer: Any, vocab_size: int) -> ConstraintCompiler | None:
+    """A compile check with vLLM's xgrammar backend over ``tokenizer``, or None when the engine compiles
+    with another backend or this vLLM lacks the pieces. Results are cached per constraint (1024).
+
+    Returns:
+        ``(constraint kwargs) -> error message or None``; blocking (compiling may take a second).
+    """
+    backend_name = getattr(getattr(vllm_config, "structured_outputs_config", None), "backend", "auto")
+    if backend_name not in ("auto", "xgrammar"):
+        return None
+    try:
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, validate_xgrammar_grammar
+        from vllm.v1.structured_output.request import get_structured_output_key
+    except ImportError:
+        logger.warning("structured-output constraints are not compiled at the door: this vLLM lacks the pieces")
+        return None
+    backend: list[Any] = []  # built at the first constraint: building reads the whole vocabulary
+
+    @functools.lru_cache(maxsize=1024)
+    def compile_key(key: str) -> str | None:
+        try:
+            params = StructuredOutputsParams(**json.loads(key))
+            validate_xgrammar_grammar(SamplingParams(structured_outputs=params))
+            kind, spec = get_structured_output_key(params)
+            if not backend:
+                backend.append(XgrammarBackend(vllm_config, tokenizer=tokenizer, vocab_size=vocab_size))
+            backend[0].compile_grammar(kind, spec)
+        except Exception as exc:  # the engine core would raise the same while scheduling the request
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def check(constraint: dict[str, Any]) -> str | None:
+        return compile_key(json.dumps(constraint, sort_keys=True))
+
+    return check
+
+
+def poison_rules(model_config: Any, vllm_config: Any, tokenizer: Any) -> PoisonRules:
+    """The door's facts about the served model (see :mod:`server.api.poison`)."""
+    vocab_size = int(model_config.get_vocab_size())
+    return PoisonRules(
+        vocab_size=vocab_size,
+        placeholders=placeholder_tokens(model_config.hf_config, tokenizer),
+        compile_constraint=xgrammar_compiler(vllm_config, tokenizer, vocab_size),
+    )

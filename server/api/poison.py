@@ -1,0 +1,214 @@
+"""Inputs known to fault vLLM's engine, refused at the door with 400 before the engine sees them.
+
+Each rule refuses a whole kind of input, not one payload, and names the upstream defect it stands in for.
+The rules read the parsed JSON body of a generation request (``/v1/chat/completions``,
+``/v1/completions``, ``/v1/responses``) and the served model's facts (:class:`PoisonRules`, known once
+the engine is up):
+
+- non-finite numbers (``NaN``, ``Infinity``: Python's JSON reader takes them) anywhere in the body:
+  sampling with a NaN temperature or penalty gave garbage, slowly;
+- ``structured_outputs`` with no usable constraint (``json_object: false``, ``json: ""``, an empty
+  ``regex``/``grammar``/``structural_tag``, ``choice: []``): the engine core's grammar compiler raised
+  inside ``schedule()`` and the engine died (the fault class of vllm#43920, fixed by vllm PR #47312);
+- a constraint the engine's structured-output backend cannot compile (``response_format`` JSON schemas
+  included): the same, for schemas and grammars that pass vLLM's API-side validation (with ``auto`` that
+  falls back to guidance per request while the engine compiles with the backend it latched; vllm#43920,
+  PRs #45346 and #47312);
+- token ids outside the vocabulary (``stop_token_ids``, ``allowed_token_ids``, ``logit_bias`` keys): an
+  out-of-vocabulary stop token with ``min_tokens`` indexed past the logits in the model step (vllm#54195);
+- literal multimodal placeholder tokens (``<|image_pad|>``, ``<|vision_start|>``, ...) in text: the image
+  bound to the user's literal placeholder, silently (vllm#57740).
+
+``truncate_prompt_tokens`` that cuts into an image's placeholder (vllm#57038) is known only once the
+prompt is rendered: :mod:`server.api.errors` answers vLLM's failed prompt replacement with 400.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from server.api.media import MediaError
+
+#: The constraint fields of ``structured_outputs`` (vLLM's ``StructuredOutputsParams``).
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+#: ``(constraint kwargs) -> error message or None``: compiles the constraint with the engine's backend.
+ConstraintCompiler = Callable[[dict[str, Any]], str | None]
+
+
+@dataclass(frozen=True)
+class PoisonRules:
+    """What the door needs to know of the served model.
+
+    Attributes:
+        vocab_size: the model's vocabulary size (token ids are ``0 .. vocab_size - 1``).
+        placeholders: the tokenizer's multimodal placeholder strings (``<|image_pad|>``, ...).
+        compile_constraint: checks a structured-output constraint with the engine's backend; None: not
+            checked (a backend vlguard does not know).
+    """
+
+    vocab_size: int
+    placeholders: tuple[str, ...] = ()
+    compile_constraint: ConstraintCompiler | None = None
+
+
+def _refuse(message: str) -> MediaError:
+    return MediaError(HTTPStatus.BAD_REQUEST, message, reason="poison")
+
+
+def _non_finite(value: Any, where: str) -> Iterator[str]:
+    if isinstance(value, float) and not math.isfinite(value):
+        yield where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, f"{where}[{i}]")
+
+
+def check_numbers(body: dict[str, Any]) -> None:
+    """Raises:
+    MediaError: 400 naming the first ``NaN``/``Infinity`` in the body."""
+    for where in _non_finite(body, ""):
+        raise _refuse(f"{where}: must be a finite number (NaN and Infinity are not accepted)")
+
+
+def _usable(name: str, value: Any) -> bool:
+    if name == "json_object":
+        return value is True
+    if name == "choice":
+        return isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value)
+    if name == "json":
+        return isinstance(value, dict) or (isinstance(value, str) and bool(value.strip()))
+    return isinstance(value, str) and bool(value)
+
+
+def constraint_of(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The structured-output constraint a request asks for, as ``StructuredOutputsParams`` keyword
+    arguments: its ``structured_outputs`` (constraint fields only, None dropped), or its
+    ``response_format`` (``json_schema``: ``json``; ``json_object``: ``json_object``); None when it asks
+    for none.
+
+    Raises:
+        MediaError: 400 when ``structured_outputs`` names no usable constraint.
+    """
+    found = body.get("structured_outputs")
+    if isinstance(found, dict):
+        given = {k: found[k] for k in CONSTRAINTS if found.get(k) is not None}
+        if not given:
+            return None  # vLLM refuses "none are specified" itself
+        if not any(_usable(k, v) for k, v in given.items()):
+            fields = ", ".join(f"{k}={json.dumps(v)[:40]}" for k, v in given.items())
+            raise _refuse(
+                f"structured_outputs: no usable constraint ({fields}): json_object must be true; json, regex, "
+                "grammar and structural_tag non-empty; choice a non-empty list of strings"
+            )
+        options = {k: found[k] for k in ("disable_any_whitespace", "disable_additional_properties") if k in found}
+        return {**given, **options}
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict):
+        if response_format.get("type") == "json_object":
+            return {"json_object": True}
+        schema = response_format.get("json_schema")
+        if response_format.get("type") == "json_schema" and isinstance(schema, dict):
+            inner = schema.get("schema", schema.get("json_schema"))
+            if isinstance(inner, dict | str):
+                return {"json": inner}
+    return None
+
+
+def check_token_ids(body: dict[str, Any], vocab_size: int) -> None:
+    """Raises:
+    MediaError: 400 naming a token id outside ``0 .. vocab_size - 1`` (vllm#54195)."""
+
+    def ids(key: str) -> Iterator[tuple[str, Any]]:
+        value = body.get(key)
+        if isinstance(value, list):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict) and key == "logit_bias":
+            yield from ((f"{key}[{k!r}]", k) for k in value)
+
+    for key in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        for where, raw in ids(key):
+            try:
+                token = int(raw)
+            except (TypeError, ValueError):
+                continue  # vLLM's own validation names a non-integer
+            if not 0 <= token < vocab_size:
+                raise _refuse(f"{where}: token id {token} is outside the vocabulary (0 to {vocab_size - 1})")
+
+
+def _texts(body: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """Every text a client wrote: chat and responses message contents and text parts, completion prompts."""
+    for key in ("messages", "input"):
+        turns = body.get(key)
+        if isinstance(turns, str):
+            yield key, turns
+        if not isinstance(turns, list):
+            continue
+        for i, turn in enumerate(turns):
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if isinstance(content, str):
+                yield f"{key}[{i}].content", content
+            elif isinstance(content, list):
+                for j, part in enumerate(content):
+                    if isinstance(part, dict) and isinstance(text := part.get("text"), str):
+                        yield f"{key}[{i}].content[{j}]", text
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        yield "prompt", prompt
+    elif isinstance(prompt, list):
+        yield from ((f"prompt[{i}]", p) for i, p in enumerate(prompt) if isinstance(p, str))
+
+
+def check_placeholders(body: dict[str, Any], placeholders: tuple[str, ...]) -> None:
+    """Raises:
+    MediaError: 400 naming the text that holds a literal multimodal placeholder token (vllm#57740)."""
+    if not placeholders:
+        return
+    for where, text in _texts(body):
+        for token in placeholders:
+            if token in text:
+                raise _refuse(
+                    f"{where}: the text holds the model's multimodal placeholder {token}; send images as "
+                    "image parts, not as placeholder tokens"
+                )
+
+
+def check_known_poison(body: dict[str, Any], rules: PoisonRules | None) -> dict[str, Any] | None:
+    """Apply every rule that needs no engine (see the module docstring).
+
+    Arguments:
+        body: the parsed JSON body (a dict).
+        rules: the served model's facts; None before the engine is up (then only the model-free rules).
+
+    Returns:
+        The request's structured-output constraint (for :func:`check_constraint`), or None.
+
+    Raises:
+        MediaError: 400 (``reason="poison"``) naming the refused field.
+    """
+    check_numbers(body)
+    constraint = constraint_of(body)
+    if rules is not None:
+        check_token_ids(body, rules.vocab_size)
+        check_placeholders(body, rules.placeholders)
+    return constraint
+
+
+def check_constraint(constraint: dict[str, Any], rules: PoisonRules | None) -> None:
+    """Compile ``constraint`` with the engine's backend (blocking: run it off the event loop).
+
+    Raises:
+        MediaError: 400 with the backend's error when it cannot compile the constraint.
+    """
+    if rules is None or rules.compile_constraint is None:
+        return
+    if (error := rules.compile_constraint(constraint)) is not None:
+        raise _refuse(f"structured output constraint cannot be compiled by the engine's backend: {error[:500]}")

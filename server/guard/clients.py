@@ -1,0 +1,132 @@
+"""Per-client fault budget: a client whose requests keep faulting the engine is refused for a cool-down.
+
+Quarantine is by fingerprint, so a client that varies its poison (a new seed, another word, another image)
+gets a new fingerprint each time and two more faults. This module counts, per client, the faults charged
+to that client's requests with certainty (the fault named one request: the failing code was handling it,
+or it ran alone on probation); past ``max_faults`` within ``window_s`` the client is refused with 429 +
+``Retry-After`` for ``cooldown_s``. Faults charged to a whole step of many requests give strikes to each
+(the quarantine) but charge no client: an innocent client that shared a poison's first step is not
+punished for it.
+
+Who a client is (:func:`client_key`): the API key it presented when the server has keys, else its remote
+address as uvicorn reports it (behind a proxy that is the proxy's address unless the forwarded address is
+trusted: docs/guard.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import hashlib
+import time
+from collections.abc import Callable, Iterable
+from http import HTTPStatus
+
+from starlette.types import Scope
+
+from server.guard.errors import GuardError
+
+#: The client of the request being served (set at the door, read by the engine client).
+current_client: contextvars.ContextVar[str] = contextvars.ContextVar("vlguard_client", default="")
+
+
+class ClientRefusedError(GuardError):
+    """The client's requests were charged with too many engine faults; refused for a cool-down. HTTP 429
+    + ``Retry-After``."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    retry_after = True
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def client_key(scope: Scope, keyed: bool) -> str:
+    """The identity of the client behind an HTTP ``scope``.
+
+    Arguments:
+        scope: the ASGI scope.
+        keyed: whether the server has API keys (then the presented key identifies the client).
+
+    Returns:
+        ``"key:<12 hex>"`` (a hash of the bearer token, never the key itself) or ``"addr:<host>"``.
+    """
+    if keyed:
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:12]
+    client = scope.get("client")
+    return f"addr:{client[0]}" if client else "addr:unknown"
+
+
+class ClientBudget:
+    """Faults charged to each client within a window, and who is refused.
+
+    Arguments:
+        max_faults: faults within ``window_s`` that refuse a client (0: never).
+        window_s: seconds over which faults are counted.
+        cooldown_s: seconds a refused client stays refused.
+        max_clients: clients remembered at most (least recently charged forgotten first).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        max_faults: int,
+        window_s: float,
+        cooldown_s: float,
+        max_clients: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_faults = max_faults
+        self.window_s = window_s
+        self.cooldown_s = cooldown_s
+        self.max_clients = max_clients
+        self._clock = clock
+        self._faults: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+        self._refused_until: dict[str, float] = {}
+
+    def charge(self, clients: Iterable[str]) -> list[str]:
+        """Count one fault for each client. Returns the clients this made refused."""
+        now, newly = self._clock(), []
+        for client in set(clients):
+            if not client:
+                continue
+            times = self._faults.pop(client, None) or collections.deque()
+            times.append(now)
+            while times and now - times[0] > self.window_s:
+                times.popleft()
+            self._faults[client] = times
+            if self.max_faults and len(times) >= self.max_faults and self.refused_for(client) == 0:
+                self._refused_until[client] = now + self.cooldown_s
+                newly.append(client)
+        while len(self._faults) > self.max_clients:
+            self._faults.popitem(last=False)
+        return sorted(newly)
+
+    def refused_for(self, client: str) -> float:
+        """Seconds ``client`` stays refused (0: it is served)."""
+        until = self._refused_until.get(client)
+        if until is None:
+            return 0.0
+        left = until - self._clock()
+        if left <= 0:  # its faults stay counted: one more within the window refuses it again
+            del self._refused_until[client]
+            return 0.0
+        return left
+
+    def refused_count(self) -> int:
+        """Clients refused now."""
+        return sum(1 for client in list(self._refused_until) if self.refused_for(client) > 0)
+
+    def check(self, client: str) -> None:
+        """Raises:
+        ClientRefusedError: ``client`` is in its cool-down."""
+        if (left := self.refused_for(client)) > 0:
+            raise ClientRefusedError(
+                f"Too many engine faults were caused by this client's requests ({self.max_faults} within "
+                f"{self.window_s:g} s); retry in {left:.0f} s",
+                retry_after_s=left,
+            )

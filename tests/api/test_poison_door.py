@@ -1,0 +1,117 @@
+"""#33 in-process: inputs known to fault vLLM's engine are refused at the door with 400 before the engine
+sees them (one per kind; tests/unit/test_poison.py covers each kind's members), their valid neighbours
+reach it, and the bodies inside the API process are bounded by bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from server.guard.supervisor import EngineState
+from server.workload.images import photo_uri
+from tests.helpers import chat_body
+from tests.inprocess import Api
+
+CHAT = "/v1/chat/completions"
+
+
+def text_chat(model: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "Is the exit clear?"}], "max_tokens": 2, **extra}
+
+
+POISON = {
+    "structured_outputs without a usable constraint": ({"structured_outputs": {"json_object": False}}, "no usable"),
+    "an empty JSON schema string": ({"structured_outputs": {"json": ""}}, "no usable"),
+    "a grammar the backend cannot compile": ({"structured_outputs": {"grammar": "root ::= ( "}}, "compiled"),
+    "a response_format schema the backend cannot compile": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "strin"}}}},
+        "compiled",
+    ),
+    "an out-of-vocabulary stop token with min_tokens": ({"stop_token_ids": [10**6], "min_tokens": 2}, "vocabulary"),
+    "a literal placeholder token": (
+        {"messages": [{"role": "user", "content": "look <|vision_start|><|image_pad|><|vision_end|>"}]},
+        "placeholder",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(POISON))
+async def test_known_poison_is_refused_before_the_engine(api: Api, case: str) -> None:
+    extra, needle = POISON[case]
+    seen = len(api.engine.requests)
+    resp = await api.client.post(CHAT, json=text_chat(api.model, **extra))
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+    assert len(api.engine.requests) == seen  # the engine never saw it
+
+
+async def test_a_non_finite_sampling_value_is_refused(api: Api) -> None:
+    raw = json.dumps(text_chat(api.model))[:-1] + ', "temperature": NaN}'
+    resp = await api.client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["message"].startswith("temperature: must be a finite")
+
+
+async def test_truncation_into_an_image_is_400_not_500(api: Api) -> None:
+    """vllm#57038: truncate_prompt_tokens below the image's tokens; stock answers 500."""
+    body = chat_body(api.model, photo_uri("coffee.png"), truncate_prompt_tokens=5)
+    resp = await api.client.post(CHAT, json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"structured_outputs": {"regex": "(ab){3}c"}},
+        {"structured_outputs": {"json_object": True}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "object"}}}},
+        {"stop_token_ids": [0], "min_tokens": 1},
+    ],
+)
+async def test_valid_neighbours_reach_the_engine(api: Api, extra: dict[str, Any]) -> None:
+    seen = len(api.engine.requests)
+    resp = await api.client.post(CHAT, json=text_chat(api.model, **extra))
+    assert resp.status_code == 200, resp.text
+    assert len(api.engine.requests) == seen + 1
+
+
+async def test_bodies_are_bounded_by_bytes_429_serving_503_restarting(make_api: Any) -> None:
+    """#33 item 4: with a 1 MiB budget, a 2 MiB body is refused (429 while serving, 503 + Retry-After while
+    the engine restarts); a small request still passes, and the budget is given back after each."""
+    api: Api = await make_api("--guard-max-body-memory-mb", "1", "--guard-max-request-mb", "8")
+    big = text_chat(api.model, user="x" * (2 << 20))
+    resp = await api.client.post(CHAT, json=big)
+    assert resp.status_code == 429 and resp.headers["retry-after"], resp.text
+    assert "bodies in progress" in resp.json()["error"]["message"]
+    assert (await api.client.post(CHAT, json=text_chat(api.model))).status_code == 200
+    api.supervisor._set_state(EngineState.RESTARTING)
+    try:
+        resp = await api.client.post(CHAT, json=big)
+        assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+    finally:
+        api.supervisor._set_state(EngineState.READY)
+    metrics = (await api.client.get("/metrics")).text
+    assert "vlguard_request_body_bytes 0.0" in metrics
+
+
+async def test_held_bodies_count_against_the_budget(make_api: Any) -> None:
+    """Bodies held while the engine restarts keep their bytes: once they fill the budget, the next body
+    gets 503 at once instead of growing the process."""
+    api: Api = await make_api("--guard-max-body-memory-mb", "1")
+    api.supervisor._set_state(EngineState.RESTARTING)
+    held = text_chat(api.model, user="y" * 400_000)
+    tasks = [asyncio.create_task(api.client.post(CHAT, json=held)) for _ in range(2)]
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while api.supervisor._held < 2:  # both wait at the door with their bodies read
+            assert asyncio.get_running_loop().time() < deadline, "the requests were never held"
+            await asyncio.sleep(0.01)
+        resp = await api.client.post(CHAT, json=held)
+        assert resp.status_code == 503, resp.text
+    finally:
+        api.supervisor._set_state(EngineState.READY)
+    assert [r.status_code for r in await asyncio.gather(*tasks)] == [200, 200]

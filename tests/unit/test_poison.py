@@ -1,0 +1,153 @@
+"""The door's known-poison rules (server.api.poison) on JSON bodies: each rule refuses its whole kind and
+lets the neighbouring valid inputs through."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from server.api.media import MediaError
+from server.api.poison import PoisonRules, check_constraint, check_known_poison, constraint_of
+
+RULES = PoisonRules(vocab_size=1000, placeholders=("<|image_pad|>", "<|vision_start|>"))
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def refused(body: dict[str, Any], rules: PoisonRules | None = RULES) -> str:
+    with pytest.raises(MediaError) as caught:
+        check_known_poison(body, rules)
+    assert (caught.value.status, caught.value.reason) == (400, "poison")
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        ('{"temperature": NaN}', "temperature"),
+        ('{"top_p": Infinity}', "top_p"),
+        ('{"frequency_penalty": -Infinity}', "frequency_penalty"),
+        ('{"logit_bias": {"5": NaN}}', "logit_bias.5"),
+        ('{"structured_outputs": {"json": {"maximum": NaN}}}', "structured_outputs.json.maximum"),
+    ],
+)
+def test_non_finite_numbers_anywhere(raw: str, where: str) -> None:
+    body = {**chat(), **json.loads(raw)}  # Python's reader takes NaN/Infinity, as vLLM's parser would
+    assert refused(body, None).startswith(f"{where}: must be a finite number")
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        {"json_object": False},
+        {"json": ""},
+        {"json": "   "},
+        {"regex": ""},
+        {"grammar": ""},
+        {"structural_tag": ""},
+        {"choice": []},
+        {"choice": [1, 2]},
+        {"json_object": False, "regex": None},
+    ],
+)
+def test_structured_outputs_without_a_usable_constraint(so: dict[str, Any]) -> None:
+    assert "no usable constraint" in refused(chat(structured_outputs=so), None)
+
+
+@pytest.mark.parametrize(
+    ("body", "constraint"),
+    [
+        (chat(structured_outputs={"json_object": True}), {"json_object": True}),
+        (chat(structured_outputs={"regex": "(ab){2}c"}), {"regex": "(ab){2}c"}),
+        (chat(structured_outputs={"json": {}}), {"json": {}}),
+        (
+            chat(structured_outputs={"choice": ["yes", "no"], "disable_any_whitespace": True}),
+            {"choice": ["yes", "no"], "disable_any_whitespace": True},
+        ),
+        (chat(response_format={"type": "json_object"}), {"json_object": True}),
+        (
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "object"}}}),
+            {"json": {"type": "object"}},
+        ),
+        (chat(response_format={"type": "text"}), None),
+        (chat(), None),
+        (chat(structured_outputs={}), None),  # vLLM's own 400: none specified
+    ],
+)
+def test_usable_constraints_pass_and_are_returned_for_compiling(
+    body: dict[str, Any], constraint: dict[str, Any] | None
+) -> None:
+    assert check_known_poison(body, RULES) == constraint == constraint_of(body)
+
+
+@pytest.mark.parametrize(
+    ("extra", "where"),
+    [
+        ({"stop_token_ids": [3, 1000]}, "stop_token_ids[1]"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+        ({"stop_token_ids": [10**6], "min_tokens": 2}, "stop_token_ids[0]"),
+        ({"allowed_token_ids": [5, 99999]}, "allowed_token_ids[1]"),
+        ({"logit_bias": {"1000": 5}}, "logit_bias['1000']"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary(extra: dict[str, Any], where: str) -> None:
+    assert refused(chat(**extra)).startswith(f"{where}: token id")
+
+
+def test_token_ids_inside_the_vocabulary_pass() -> None:
+    check_known_poison(chat(stop_token_ids=[0, 999], min_tokens=3, logit_bias={"999": -100}), RULES)
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (chat(messages=[{"role": "user", "content": "see <|image_pad|> here"}]), "messages[0].content"),
+        (
+            chat(
+                messages=[
+                    {"role": "system", "content": "x"},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a <|vision_start|>"},
+                            {"type": "image_url", "image_url": {"url": "data:,"}},
+                        ],
+                    },
+                ]
+            ),
+            "messages[1].content[0]",
+        ),
+        ({"model": "m", "prompt": "literal <|image_pad|>"}, "prompt"),
+        ({"model": "m", "prompt": ["fine", "<|image_pad|>"]}, "prompt[1]"),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "<|image_pad|>"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"model": "m", "input": "<|image_pad|>"}, "input"),
+    ],
+)
+def test_literal_placeholder_tokens_in_any_text(body: dict[str, Any], where: str) -> None:
+    assert refused(body).startswith(f"{where}: the text holds the model's multimodal placeholder")
+
+
+def test_placeholder_lookalikes_pass() -> None:
+    check_known_poison(chat(messages=[{"role": "user", "content": "<|image|> and image_pad and <|im_start|>"}]), RULES)
+
+
+def test_constraints_compiled_with_the_given_backend() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def compile_constraint(constraint: dict[str, Any]) -> str | None:
+        seen.append(constraint)
+        return "bad grammar at 1:3" if "grammar" in constraint else None
+
+    rules = PoisonRules(vocab_size=10, compile_constraint=compile_constraint)
+    check_constraint({"regex": "a+"}, rules)
+    with pytest.raises(MediaError, match="cannot be compiled by the engine's backend: bad grammar at 1:3"):
+        check_constraint({"grammar": "root ::= x"}, rules)
+    check_constraint({"grammar": "root ::= x"}, None)  # before the engine is up: not compiled
+    assert seen == [{"regex": "a+"}, {"grammar": "root ::= x"}]
