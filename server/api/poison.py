@@ -96,9 +96,12 @@ def constraint_of(body: dict[str, Any]) -> dict[str, Any] | None:
     for none.
 
     Raises:
-        MediaError: 400 when ``structured_outputs`` names no usable constraint.
+        MediaError: 400 when ``structured_outputs`` is not an object (vLLM's request model answers 500) or
+            names no usable constraint.
     """
     found = body.get("structured_outputs")
+    if found is not None and not isinstance(found, dict):  # vLLM's before-validator calls .get(): a 500
+        raise _refuse(f"structured_outputs: must be an object, not {type(found).__name__}")
     if isinstance(found, dict):
         given = {k: found[k] for k in CONSTRAINTS if found.get(k) is not None}
         if not given:

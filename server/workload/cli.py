@@ -84,12 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("model", help="model path or name, as for `vllm serve`")
     cmp_.add_argument(
         "--scenario",
-        choices=[*sorted(compare.SCENARIOS), "fault"],
+        choices=[*sorted(compare.SCENARIOS), "fault", "poison"],
         default="overhead",
         help="overhead: vlguard vs stock; noise: stock vs stock (the machine's floor); "
         "kill: engine killed mid-run, vlguard vs stock; "
         "alignment / patches: vlguard with that feature on vs off; fault: a step fault every --fault-every "
-        "seconds, vlguard soft recovery vs rebuild vs stock restarted (test fault plugin) (default overhead)",
+        "seconds, vlguard soft recovery vs rebuild vs stock restarted (test fault plugin); poison: one client "
+        "sends a varied poison every --fault-every seconds beside the load, vlguard with and without the "
+        "per-client fault budget (test fault plugin) (default overhead)",
     )
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
     cmp_.add_argument(
@@ -103,9 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     cmp_.add_argument("--pairs", type=int, default=8, help="pairs per round and system; kill: in all (default 8)")
     cmp_.add_argument("--kill-after", type=int, default=10, help="kill: successes before the kill (default 10)")
-    cmp_.add_argument("--fault-every", type=float, default=10.0, help="fault: seconds between faults (default 10)")
     cmp_.add_argument(
-        "--fault-duration", type=float, default=40.0, help="fault: seconds of load per run, with and without faults"
+        "--fault-every", type=float, default=10.0, help="fault, poison: seconds between faults (default 10)"
+    )
+    cmp_.add_argument(
+        "--fault-duration",
+        type=float,
+        default=40.0,
+        help="fault, poison: seconds of load per run (fault: with and without faults)",
     )
     cmp_.add_argument(
         "--emulate-padding",
@@ -250,11 +257,13 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         trace=not args.no_trace,
     )
     stem = args.out / f"compare-{args.scenario}"
-    if args.instances < 1 or (args.instances > 1 and args.scenario in ("kill", "fault")):
+    if args.instances < 1 or (args.instances > 1 and args.scenario in ("kill", "fault", "poison")):
         print("vlguard bench compare: --instances takes 1 or more, and only 1 with kill or fault", file=sys.stderr)
         return 2
     if args.scenario == "fault":
         return _fault_main(opts, stem)
+    if args.scenario == "poison":
+        return _poison_main(opts, stem)
     a, b = (s.name for s in compare.SCENARIOS[args.scenario])
     if args.scenario == "kill":
         result = compare.kill(opts)
@@ -296,6 +305,24 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     }
     written.insert(0, _write_json(stem.with_suffix(".json"), result))
     print("wrote", *written)
+    return 0
+
+
+def _poison_main(opts: compare.CompareOptions, stem: Path) -> int:
+    from server.workload import poison
+
+    result = poison.poison(opts)
+    for name, s in result["systems"].items():
+        print(
+            f"{name:9} innocents failed {s['innocent_failed']} of {s['summary']['requests']}; "
+            f"soft recoveries {s['soft_recoveries']:.0f}, rebuilds {s['rebuilds']:.0f}; poison sent "
+            f"{s['poison_sent']}, answered {s['poison_answers']}, faults charged to its client "
+            f"{s['poison_client_faults']:.0f} (engine faults {s['engine_faults']:.0f}); restart budget left "
+            f"{s['restart_budget_left']:.0f}; API RSS peak {s['api_rss_peak_mb']:.0f} MiB"
+        )
+    print(report.table({k: v["summary"] for k, v in result["systems"].items()}))
+    result |= {"scenario": "poison", "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload}
+    print("wrote", _write_json(stem.with_suffix(".json"), result))
     return 0
 
 

@@ -63,7 +63,16 @@ def test_a_nan_sampling_value_is_refused(server: ServerProcess, model_name: str)
 def test_valid_constraints_are_served(server: ServerProcess, model_name: str) -> None:
     for extra, check in [
         ({"structured_outputs": {"regex": "(ab){3}c"}}, lambda text: text == "abababc"),
-        ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda text: text in ("yes", "no")),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "v", "schema": {"enum": ["ok", "stop"]}},
+                }
+            },
+            lambda text: json.loads(text) in ("ok", "stop"),
+        ),
     ]:
         body = {"model": model_name, "messages": TEXT, "max_tokens": 40, "temperature": 0, **extra}
         resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)

@@ -58,6 +58,12 @@ def test_structured_outputs_without_a_usable_constraint(so: dict[str, Any]) -> N
     assert "no usable constraint" in refused(chat(structured_outputs=so), None)
 
 
+@pytest.mark.parametrize("so", [False, True, 0, "json", ["regex"]])
+def test_structured_outputs_that_is_not_an_object(so: Any) -> None:
+    """Found by the engine-fields fuzz test: vLLM's request model calls ``.get()`` on it and answers 500."""
+    assert refused(chat(structured_outputs=so), None).startswith("structured_outputs: must be an object")
+
+
 @pytest.mark.parametrize(
     ("body", "constraint"),
     [
