@@ -10,7 +10,8 @@ current. When the engine dies under a request:
   tokens already sent, with ``max_tokens`` lowered by as many, so the client's stream goes on without a
   gap or a duplicate (greedy streams are token-identical to uninterrupted ones);
 * a request that a soft recovery cut (:mod:`server.guard.soft`: the engine finished it with ``ERROR``
-  and recorded why) is carried over the same way, onto the same engine;
+  and recorded why) is carried over the same way, onto the same engine; so is one whose output
+  processing raised in this process (:mod:`server.guard.output_faults`), charged to it alone;
 * a request with a strike (it was in the failing step of an earlier fault) runs on probation, isolated
   (:mod:`server.guard.inflight`), so its next fault is charged to it alone;
 * a processed image the current engine core holds is sent as its hash (:mod:`server.guard.ipc_cache`;
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from server.guard.clients import current_client
 from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
 from server.guard.ipc_cache import cache_miss
+from server.guard.output_faults import output_fault
 from server.guard.quarantine import fingerprint
 from server.guard.supervisor import EngineState
 from server.metrics import definitions as m
@@ -172,6 +174,10 @@ class GuardedEngineClient:
                             return
                     except EngineDeadError:
                         sup.report_death(generation)
+                    except Exception as exc:
+                        if (fault := output_fault(exc)) is None:
+                            raise
+                        sup.output_fault(generation, request_id, fault)
             # The engine died under this request, or cut it in a soft recovery: quarantine, then replay or
             # resume on the current engine.
             self._check_quarantine(fp)

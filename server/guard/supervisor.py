@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server.guard import fatal, ipc_cache, watchdog
+from server.guard import fatal, ipc_cache, output_faults, watchdog
 from server.guard.clients import ClientBudget
 from server.guard.errors import EngineUnavailableError
 from server.guard.fatal import FatalRecord, read_fatal
@@ -357,6 +357,8 @@ class Supervisor:
             raise
         generation = self.generation + 1
         watchdog.on_engine_core_output(engine, lambda: self._note_engine_step(generation))
+        if (processor := getattr(engine, "output_processor", None)) is not None:
+            output_faults.confine(processor)  # a request whose output processing raises costs only itself
         self._engine = self._latest = engine
         self._ipc_cache = ipc_cache.shadow_for(engine)
         if self._serving_renderer is None:
@@ -516,6 +518,23 @@ class Supervisor:
                 + ", ".join(sorted({inflight[r] for r in charged}))
                 if charged else "no request charged", record.describe()[:500],
             )  # fmt: skip
+
+    def output_fault(self, generation: int, request_id: str, fault: BaseException) -> None:
+        """Processing ``request_id``'s output raised in this process (:mod:`server.guard.output_faults`): a
+        fault named to that request, absorbed without touching the engine (counted as a soft recovery)."""
+        if generation != self.generation:
+            return
+        inflight = self.inflight.requests(generation)
+        record = SoftFault(type(fault.__cause__ or fault).__name__, str(fault)[:2000], [request_id], [],
+                           [request_id], 0.0, named=True)  # fmt: skip
+        m.ENGINE_DEATHS.labels(cause=watchdog.exception_cause(record.describe()).value).inc()
+        m.ENGINE_RECOVERIES.labels(kind="soft").inc()
+        m.RECOVERY_DURATION.labels(kind="soft").observe(0.0)
+        self._charge(inflight, [request_id] if request_id in inflight else [], record)
+        logger.error(
+            "engine generation %d: processing the output of request %s (%s) failed; charged to it and carried "
+            "over: %s", generation, request_id, inflight.get(request_id), record.describe()[:300],
+        )  # fmt: skip
 
     def ipc_cache(self, generation: int) -> EngineCacheShadow | None:
         """What engine ``generation``'s engine core holds of the processed images sent to it (None: strip

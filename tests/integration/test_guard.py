@@ -8,6 +8,7 @@ readiness or metrics poll with a deadline.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -32,7 +34,9 @@ DEVICE_WORD = " Quagmireobsidianmarker"  # its step raises what reads as a CUDA 
 CORE_WORD = " Vermilionkumquatmarker"  # the engine core raises processing its step's output
 ADMIT_WORD = " Quokkatambourinemarker"  # the scheduler raises admitting it (inside schedule(), not a step)
 OUTPUT_WORD = " Wombatcardamommarker"  # the scheduler raises processing its own new tokens
-WORDS = (POISON_WORD, EXIT_WORD, DEVICE_WORD, CORE_WORD, ADMIT_WORD, OUTPUT_WORD)
+DETOKENIZE_WORD = " Narwhalsaffronmarker"  # the API process raises turning its tokens into a response
+WORDS = (POISON_WORD, EXIT_WORD, DEVICE_WORD, CORE_WORD, ADMIT_WORD, OUTPUT_WORD, DETOKENIZE_WORD)
+BODY_BUDGET_MB = 64  # request bodies the API process may hold at once (the burst test)
 GUARD_FLAGS = (
     "--enforce-eager",
     "--guard-hang-timeout", "10",
@@ -41,6 +45,7 @@ GUARD_FLAGS = (
     "--guard-quarantine-deaths", "2",
     "--guard-restart-max", "20",
     "--guard-client-fault-max", "0",  # every test here is the same loopback client: no cool-down between them
+    "--guard-max-body-memory-mb", str(BODY_BUDGET_MB),
 )  # fmt: skip
 
 
@@ -72,6 +77,7 @@ def guarded(
         VLGUARD_TEST_POISON_CORE_TOKENS=",".join(map(str, poison_ids[CORE_WORD])),
         VLGUARD_TEST_POISON_ADMIT_TOKENS=",".join(map(str, poison_ids[ADMIT_WORD])),
         VLGUARD_TEST_POISON_OUTPUT_TOKENS=",".join(map(str, poison_ids[OUTPUT_WORD])),
+        VLGUARD_TEST_POISON_DETOKENIZE_TOKENS=",".join(map(str, poison_ids[DETOKENIZE_WORD])),
         NOTIFY_SOCKET=str(notify.path),
         WATCHDOG_USEC="2000000",
     )
@@ -232,15 +238,20 @@ def test_poison_request_is_quarantined_while_other_traffic_succeeds(
     assert word.strip() not in guarded.log_path.read_text()  # logs carry the fingerprint only
 
 
-@pytest.mark.parametrize("word", [ADMIT_WORD, OUTPUT_WORD], ids=["while-admitting", "processing-its-output"])
+@pytest.mark.parametrize(
+    "word",
+    [ADMIT_WORD, OUTPUT_WORD, DETOKENIZE_WORD],
+    ids=["while-admitting", "processing-its-output", "detokenizing-in-the-api-process"],
+)
 def test_a_fault_outside_the_model_step_is_charged_to_its_request(
     guarded: ServerProcess, model_name: str, word: str
 ) -> None:
     """#33: the engine core raises while its scheduler admits the poison (inside ``schedule()``, before
     any model step: charged to nobody before, so every fault of it cut everything and ended in a rebuild
-    and a 503) or while it processes the poison's own tokens after a step shared with others. The failing
-    code names its request: the poison alone is charged, quarantined after two faults with a 400, no
-    rebuild, and every innocent in flight is served."""
+    and a 503), or while it processes the poison's own tokens after a step shared with others; or the API
+    process's output processor raises on the poison's tokens (before: the output handler died, every
+    request failed, the engine was rebuilt). The failing code names its request: the poison alone is
+    charged, quarantined after two faults with a 400, no rebuild, and every innocent in flight is served."""
     client = client_for(guarded)
     poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     before, named = recoveries(guarded), labelled(guarded, "vlguard_quarantine_strikes_total", "evidence")["named"]
@@ -376,6 +387,49 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
             assert [(len(ids), err) for ids, err in (f.result() for f in streams)] == [(512, None), (512, None)]
     assert metric(guarded, "vlguard_quarantine_strikes_total") == strikes
     assert metric(guarded, "vlguard_requests_quarantined_total") == refused
+
+
+def test_a_burst_of_large_bodies_during_a_rebuild_is_bounded_by_bytes(guarded: ServerProcess, model_name: str) -> None:
+    """#33 (CASES C19): 40 requests of 8 MiB each arrive while the engine is being rebuilt. Before, every
+    body was held (bounded by count only: 512 of up to 64 MiB): 60 of 20 MiB grew the API process by 4.4
+    GiB. Now the bodies held at once are bounded by --guard-max-body-memory-mb (64 here): each request is
+    answered 200 (held, then served) or 503 + Retry-After at once, and the API process grows by at most
+    the budget and a fixed margin."""
+    assert guarded.proc is not None
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
+    api = psutil.Process(guarded.proc.pid)
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Is the exit clear?"}],
+                       "max_tokens": 2, "user": "u" * (8 << 20)}).encode()  # fmt: skip
+    before = api.memory_info().rss
+    peak = [before]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], api.memory_info().rss)
+
+    def send(_: int) -> tuple[int, str | None]:
+        resp = httpx.post(guarded.url + "/v1/chat/completions", content=body, timeout=300,
+                          headers={"content-type": "application/json"})  # fmt: skip
+        return resp.status_code, resp.headers.get("retry-after")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    engine_core(guarded).send_signal(signal.SIGKILL)
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 503, 30, "the engine to be down")
+    try:
+        with ThreadPoolExecutor(40) as pool:
+            answers = list(pool.map(send, range(40)))
+    finally:
+        done.set()
+        watcher.join()
+    codes = sorted(code for code, _ in answers)
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+    assert all(retry for code, retry in answers if code == 503)
+    growth_mb = (peak[0] - before) / 2**20
+    print(f"API process grew {growth_mb:.0f} MiB for {codes.count(200)} held and {codes.count(503)} refused bodies")
+    assert growth_mb < BODY_BUDGET_MB + 192, f"grew {growth_mb:.0f} MiB with a {BODY_BUDGET_MB} MiB budget"
+    assert metric(guarded, "vlguard_request_body_bytes") == 0
 
 
 def test_sigterm_during_a_rebuild_stops_cleanly(guarded: ServerProcess, notify: NotifySocket) -> None:

@@ -22,6 +22,9 @@ that only the request being admitted explains (a grammar that fails to compile f
 ``VLGUARD_TEST_POISON_OUTPUT_TOKENS="12,34"``: the scheduler raises while it processes such a request's
 new tokens (``update_from_output``, per request), after a model step that may hold other requests too.
 
+``VLGUARD_TEST_POISON_DETOKENIZE_TOKENS="12,34"``: the API process's output processor raises while it turns
+such a request's new tokens into a response (detokenization, stop strings, logprobs), in the API process.
+
 ``VLGUARD_TEST_SLOW_STEPS_IF=/path``: while that file exists, every step of the model runner first sleeps
 ``SLOW_STEP_S``: requests decode for a known minimum time, so a test can send a fault while they are in
 the engine without making them long (the test creates the file, and removes it when done).
@@ -47,6 +50,7 @@ POISON_DEVICE_ENV = "VLGUARD_TEST_POISON_DEVICE_TOKENS"
 POISON_CORE_ENV = "VLGUARD_TEST_POISON_CORE_TOKENS"
 POISON_ADMIT_ENV = "VLGUARD_TEST_POISON_ADMIT_TOKENS"
 POISON_OUTPUT_ENV = "VLGUARD_TEST_POISON_OUTPUT_TOKENS"
+POISON_DETOKENIZE_ENV = "VLGUARD_TEST_POISON_DETOKENIZE_TOKENS"
 DEVICE_ONCE_ENV = "VLGUARD_TEST_POISON_DEVICE_ONCE"
 FAIL_START_ENV = "VLGUARD_TEST_FAIL_START_IF"
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"
@@ -74,6 +78,8 @@ def register() -> None:
         _poison_admission(admit_on)
     if output_on := _needle(POISON_OUTPUT_ENV):
         _poison_output(output_on)
+    if detokenize_on := _needle(POISON_DETOKENIZE_ENV):
+        _poison_detokenizer(detokenize_on)
     if drop_flag := os.environ.get(DROP_MM_CACHE_ENV):
         _drop_mm_cache(drop_flag)
 
@@ -156,6 +162,23 @@ def _poison_output(needle: list[int]) -> None:
     update_request.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     Scheduler._update_request_with_output = update_request  # type: ignore[method-assign]
     logger.warning("vlguard test plugin: processing the output of requests holding tokens %s fails", needle)
+
+
+def _poison_detokenizer(needle: list[int]) -> None:
+    from vllm.v1.engine.output_processor import RequestState
+
+    original = RequestState.make_request_output
+    if getattr(original, "__vlguard_test_fault__", False):
+        return
+
+    def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if contains(list(self.prompt_token_ids or []), needle):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "vlguard test fault: invalid start byte")
+        return original(self, *args, **kwargs)
+
+    make_request_output.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
+    RequestState.make_request_output = make_request_output  # type: ignore[method-assign]
+    logger.warning("vlguard test plugin: the output of requests holding tokens %s fails in the API process", needle)
 
 
 def _drop_mm_cache(flag: str) -> None:
