@@ -10,8 +10,9 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
   deepstack backports under padding (C1), compiled == eager (C3), load, fuzz and bench tests use it.
 - ``eager_server``: ``--enforce-eager`` (patches on, unpadded): the numerical reference, and the
   server Prometheus scrapes (no padding: a healthy server must raise no alert). Its model runner raises
-  on prompts holding ``EAGER_POISON_WORD`` (test fault plugin; no other prompt is affected), for the
-  soft-recovery test every lane runs, and its steps are slow while ``slow_steps_flag(eager_server)`` exists.
+  on prompts holding ``EAGER_POISON_WORD`` and its scheduler on admitting ``EAGER_ADMIT_WORD`` (test fault
+  plugin; no other prompt is affected), for the soft-recovery tests every lane runs, and its steps are
+  slow while ``slow_steps_flag(eager_server)`` exists.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.docker_image import ImageBuild, docker_answers
 from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire, vlguard_argv, wait_retired
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
+EAGER_ADMIT_WORD = " Gossamerquincemarker"  # the scheduler raises admitting it (a fault outside any model step)
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"  # the fault plugin's: each step sleeps while that file exists
 DROP_MM_CACHE_ENV = "VLGUARD_TEST_DROP_MM_CACHE_IF"  # the fault plugin's: engine-side image cache emptied
 
@@ -67,7 +69,8 @@ def _launch_server(tiny_model: Path, logs: Path) -> ServerProcess:
 def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
     poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
     flags = {SLOW_STEPS_ENV: str(logs / "slow-steps"), DROP_MM_CACHE_ENV: str(logs / "drop-mm-cache")}
-    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, **flags)
+    admit = ",".join(map(str, token_ids(tiny_model, EAGER_ADMIT_WORD)))
+    env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, VLGUARD_TEST_POISON_ADMIT_TOKENS=admit, **flags)
     # A spare: the C5 kill test asserts the rebuild runs in it, and the step-fault tests rebuild too.
     argv = vlguard_argv(tiny_model, "--enforce-eager", *SPARE)
     return ServerProcess(argv, logs / "vlguard-eager.log", env=env).start()

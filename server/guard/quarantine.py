@@ -5,7 +5,8 @@ who, :func:`server.guard.supervisor.charged_requests`); a request with a strike 
 isolated (:mod:`server.guard.inflight`), so its next fault is its own.
 
 Requests are identified by a fingerprint of what the engine would compute (prompt token ids, image
-hashes, sampling parameters), never by their text: logs and errors carry the fingerprint only.
+hashes, the constraint and token-id fields, not volatile sampling values), never by their text: logs and
+errors carry the fingerprint only.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from server.guard.errors import QuarantinedRequestError
 __all__ = ["Quarantine", "QuarantinedRequestError", "fingerprint"]
 
 
+#: The ``SamplingParams`` fields a fingerprint holds: what shapes the engine core's work besides the prompt
+#: (the structured-output constraint, token-id lists the sampler indexes with). Volatile sampling values
+#: (seed, temperature, top-p/k, penalties, max_tokens, n, logprobs) are left out: the same poison with a
+#: new seed is the same request to the quarantine (#34), and what varies beyond that is the per-client
+#: fault budget's to stop (:mod:`server.guard.clients`).
+CONTENT_FIELDS = ("structured_outputs", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words")
+
+
 def fingerprint(prompt: Any, sampling_params: Any) -> str:
     """A short, stable id of a request's engine-side content.
 
     Arguments:
         prompt: what vLLM's serving layer hands ``generate()``: a dict with ``prompt_token_ids`` and, for
             images, ``mm_hashes``; or a plain string.
-        sampling_params: ``vllm.SamplingParams`` (its ``repr`` lists every field).
+        sampling_params: ``vllm.SamplingParams``: only its :data:`CONTENT_FIELDS` count.
 
     Returns:
         16 hex characters.
@@ -39,7 +48,8 @@ def fingerprint(prompt: Any, sampling_params: Any) -> str:
         h.update(repr(prompt.get("prompt")).encode() if "prompt_token_ids" not in prompt else b"")
     else:
         h.update(repr(prompt).encode())
-    h.update(repr(sampling_params).encode())
+    for name in CONTENT_FIELDS:
+        h.update(f";{name}={getattr(sampling_params, name, None)!r}".encode())
     return h.hexdigest()[:16]
 
 

@@ -30,7 +30,7 @@ from server.workload.servers import ServerProcess, metric_samples
 
 #: The marker the fault plugin is armed with (``VLGUARD_TEST_POISON_ADMIT_TOKENS`` holds its token ids).
 MARKER = " Quokkatambourinemarker"
-KEYS = ("--api-key", "innocent", "--api-key", "poison")
+KEYS = ("--api-key", "innocent", "poison")
 SYSTEMS = (
     System("budget", guard_args=KEYS),
     System("no-budget", guard_args=(*KEYS, "--guard-client-fault-max", "0")),

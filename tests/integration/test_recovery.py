@@ -13,6 +13,7 @@ import contextlib
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -20,7 +21,7 @@ import pytest
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
-from tests.conftest import EAGER_POISON_WORD, drop_mm_cache_flag, slow_steps_flag
+from tests.conftest import EAGER_ADMIT_WORD, EAGER_POISON_WORD, drop_mm_cache_flag, slow_steps_flag
 from tests.helpers import (
     carried_over,
     engine_core,
@@ -256,6 +257,23 @@ async def test_step_fault_with_requests_in_flight_is_absorbed(eager_server: Serv
     assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
     # The poison's own replay is one; at least one other request in flight was cut and carried over.
     assert carried_over(eager_server) >= carried + 2
+
+
+def test_a_fault_while_admitting_is_charged_to_that_request(eager_server: ServerProcess, model_name: str) -> None:
+    """#33 on every lane: the scheduler raises while it admits one request (inside ``schedule()``, no model
+    step: charged to nobody before, so it cost a rebuild and a 503). The traceback names the request: it
+    alone is charged, gets 400 after two soft recoveries, no rebuild; its neighbours are served."""
+    before = labelled(eager_server, "vlguard_engine_recoveries_total", "kind")
+    poison = [{"role": "user", "content": f"Please check{EAGER_ADMIT_WORD} now."}]
+    good = [[{"role": "user", "content": f"Is hatch {i} closed?"}] for i in range(4)]
+    with httpx.Client(base_url=eager_server.url, timeout=120) as client, ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(client.post, "/v1/chat/completions", json={"model": model_name, "messages": m,
+                  "max_tokens": 8, "ignore_eos": True}) for m in good]  # fmt: skip
+        refused = client.post("/v1/chat/completions", json={"model": model_name, "messages": poison, "max_tokens": 4})
+        assert [f.result().status_code for f in others] == [200] * 4
+    assert refused.status_code == 400 and "quarantined" in refused.json()["error"]["message"]
+    after = labelled(eager_server, "vlguard_engine_recoveries_total", "kind")
+    assert (after["soft"] - before["soft"], after["rebuild"] - before["rebuild"]) == (2, 0)
 
 
 async def test_an_engine_core_missing_a_cached_image_gets_it_sent_again(

@@ -42,10 +42,18 @@ def test_bounded_in_size() -> None:
     assert all(q.is_quarantined(x) for x in "bcd")
 
 
-def test_fingerprint_depends_on_prompt_images_and_params() -> None:
-    base = fingerprint({"prompt_token_ids": [1, 2, 3], "mm_hashes": {"image": ["h1"]}}, "params-a")
-    assert base == fingerprint({"prompt_token_ids": [1, 2, 3], "mm_hashes": {"image": ["h1"]}}, "params-a")
-    assert base != fingerprint({"prompt_token_ids": [1, 2, 4], "mm_hashes": {"image": ["h1"]}}, "params-a")
-    assert base != fingerprint({"prompt_token_ids": [1, 2, 3], "mm_hashes": {"image": ["h2"]}}, "params-a")
-    assert base != fingerprint({"prompt_token_ids": [1, 2, 3], "mm_hashes": {"image": ["h1"]}}, "params-b")
+def test_fingerprint_depends_on_prompt_images_and_constraint_not_on_volatile_sampling() -> None:
+    """#34: the same poison with a new seed (or temperature, max_tokens, n) is the same fingerprint; a new
+    prompt, image, constraint or token-id list is another."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompt = {"prompt_token_ids": [1, 2, 3], "mm_hashes": {"image": ["h1"]}}
+    base = fingerprint(prompt, SamplingParams(seed=1, temperature=0.7, max_tokens=8))
+    assert base == fingerprint(dict(prompt), SamplingParams(seed=2, temperature=1.3, top_p=0.5, max_tokens=64, n=2))
+    assert base != fingerprint({**prompt, "prompt_token_ids": [1, 2, 4]}, SamplingParams(seed=1))
+    assert base != fingerprint({**prompt, "mm_hashes": {"image": ["h2"]}}, SamplingParams(seed=1))
+    assert base != fingerprint(prompt, SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert base != fingerprint(prompt, SamplingParams(stop_token_ids=[7], min_tokens=2))
+    assert base != fingerprint(prompt, SamplingParams(logit_bias={5: 1.0}))
     assert len(base) == 16
