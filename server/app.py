@@ -179,6 +179,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         pixel_bounds=lambda: app.state.pixel_bounds,
         poison_rules=lambda: app.state.poison_rules,
         engine_ready=lambda: supervisor.state is EngineState.READY,
+        expose=lambda guard: setattr(app.state, "input_guard", guard),
     )
     _add_middleware(app, args)
     install_error_handlers(app)

@@ -31,8 +31,9 @@ class GuardSettings(BaseSettings):
     (CPU runs that emulate CUDA-graph padding, for tests). 0: use the engine's own capture sizes."""
 
     max_inflight: int = Field(default=1024, ge=0)
-    """Generation requests inside vlguard at once (held, queued, running or streaming); one more gets 429
-    + Retry-After. 0: no bound."""
+    """Generation requests inside vlguard at once (held, queued, running or streaming; counted once their
+    body has arrived); one more gets 429 + Retry-After, and /ready answers 503 while all are taken. 0: no
+    bound."""
 
     max_request_mb: float = Field(default=64.0, gt=0)
     """Largest request body accepted (MiB); more gets 413."""
@@ -42,6 +43,10 @@ class GuardSettings(BaseSettings):
     restarts, served); a request whose body would exceed it gets 429 (503 while the engine restarts).
     Default: one sixteenth of the machine's memory (an image request costs the API process about four
     times its body while it is parsed and decoded)."""
+
+    body_timeout: float = Field(default=30.0, gt=0)
+    """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
+    ``max_inflight`` slots only once its body has arrived, so stalled uploads cannot fill them."""
 
     max_image_mb: float = Field(default=20.0, gt=0)
     """Largest decoded size of one image or other media item (MiB); more gets 413."""

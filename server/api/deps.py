@@ -16,3 +16,13 @@ def get_supervisor(request: Request) -> Supervisor:
 
 
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
+
+
+def get_door_saturated(request: Request) -> bool:
+    """Whether the input guard would refuse one more request whose body arrived (every in-flight slot or
+    the body budget taken; False before its first request built it)."""
+    guard = getattr(request.app.state, "input_guard", None)
+    return bool(guard is not None and guard.saturated())
+
+
+DoorSaturatedDep = Annotated[bool, Depends(get_door_saturated)]

@@ -3,7 +3,8 @@
 ``/health`` is liveness: 200 while this process can still serve or recover (including while the engine
 starts or restarts), 503 only once the supervisor has given up. This differs from stock vLLM, whose
 ``/health`` reflects the engine; orchestrators should restart on ``/health`` and route on ``/ready``.
-``/ready`` is 200 only while the engine is READY and a one-token probe (or real output) succeeded recently.
+``/ready`` is 200 only while the engine is READY and a one-token probe (or real output) succeeded recently,
+and the input guard can admit one more request.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
 from server import __version__
-from server.api.deps import SupervisorDep
+from server.api.deps import DoorSaturatedDep, SupervisorDep
 from server.api.errors import RETRY_AFTER_S
 from server.guard.supervisor import EngineState
 from server.metrics.registry import render_latest
@@ -33,12 +34,13 @@ async def health(supervisor: SupervisorDep) -> JSONResponse:
 
 
 @router.get("/ready")
-async def ready(supervisor: SupervisorDep) -> JSONResponse:
+async def ready(supervisor: SupervisorDep, saturated: DoorSaturatedDep) -> JSONResponse:
     """Readiness: 200 ``{"ready": true}`` only while the engine is READY and answered a one-token probe
-    (or real traffic) recently; 503 + Retry-After otherwise (starting, restarting, failed)."""
-    is_ready = supervisor.is_ready()
+    (or real traffic) recently, and the door admits work (an in-flight slot and body bytes left); 503 +
+    Retry-After otherwise (starting, restarting, failed, saturated)."""
+    is_ready = supervisor.is_ready() and not saturated
     return JSONResponse(
-        {"ready": is_ready, "engine": supervisor.state.value},
+        {"ready": is_ready, "engine": supervisor.state.value, "saturated": saturated},
         status_code=200 if is_ready else 503,
         headers=None if is_ready else {"Retry-After": str(RETRY_AFTER_S)},
     )

@@ -3,12 +3,14 @@
 For ``POST`` to the generation routes and ``/tokenize`` (paths compared without ``--root-path``), before
 vLLM sees the request:
 
-1. at most ``max_inflight`` such requests are inside vlguard at once (held, queued in vLLM, running or
-   streaming); one more gets **429** + ``Retry-After`` instead of growing memory without bound;
-2. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
-   more gets **413**. The bodies inside at once (received, checked, held while the engine restarts,
-   served) are bounded by ``max_body_memory_mb`` in all, counted as their bytes arrive: one more byte
-   gets **429** + ``Retry-After`` (**503** while the engine restarts);
+1. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
+   more gets **413**; a body that has not arrived within ``body_timeout`` seconds gets **408**. The
+   bodies inside at once (received, checked, held while the engine restarts, served) are bounded by
+   ``max_body_memory_mb`` in all, counted as their bytes arrive: one more byte gets **429** +
+   ``Retry-After`` (**503** while the engine restarts);
+2. once its body has arrived (a stalled upload holds no slot), at most ``max_inflight`` such requests are
+   inside vlguard at once (held, queued in vLLM, running or streaming); one more gets **429** +
+   ``Retry-After``. :meth:`InputGuardMiddleware.saturated` tells readiness when no slot or byte is left;
 3. a generation request's inputs known to fault the engine are refused with **400**
    (:mod:`server.api.poison`: non-finite numbers, structured outputs without a usable constraint or
    that the engine's backend cannot compile, out-of-vocabulary token ids, literal placeholder tokens);
@@ -87,7 +89,8 @@ class InputGuardMiddleware:
         known yet, or the model's processor has none).
     poison_rules: returns the served model's facts for the known-poison rules once the engine is up
         (:mod:`server.api.poison`; ``None``: not known yet).
-    engine_ready: whether the engine serves now (a body over the memory budget then gets 429, else 503)."""
+    engine_ready: whether the engine serves now (a body over the memory budget then gets 429, else 503).
+    expose: called with the middleware once built (the app keeps it for readiness)."""
 
     def __init__(
         self,
@@ -98,6 +101,7 @@ class InputGuardMiddleware:
         pixel_bounds: Callable[[], PixelBounds | None] = lambda: None,
         poison_rules: Callable[[], PoisonRules | None] = lambda: None,
         engine_ready: Callable[[], bool] = lambda: True,
+        expose: Callable[[InputGuardMiddleware], None] = lambda guard: None,
     ) -> None:
         self.app = app
         self.poison_rules = poison_rules
@@ -121,24 +125,24 @@ class InputGuardMiddleware:
         self.body_budget = settings.body_memory_bytes()
         self.body_bytes = 0  # bytes of the bodies inside now (received, checked, held, served)
         self.engine_ready = engine_ready
+        self.body_timeout = settings.body_timeout
+        expose(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in CHECKED_PATHS):
             await self.app(scope, receive, send)
             return
-        if self.max_inflight and self.active >= self.max_inflight:
-            message = f"Server busy: {self.active} requests in progress (limit {self.max_inflight}); retry later"
-            headers = {"Retry-After": str(RETRY_AFTER_S)}
-            await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message, "overload", headers)
-            return
-        self.active += 1
         held = [0]  # bytes this request holds of the body budget
         try:
             await self._admit(scope, receive, send, held)
         finally:
-            self.active -= 1
             self.body_bytes -= held[0]
             m.BODY_BYTES.set(self.body_bytes)
+
+    def saturated(self) -> bool:
+        """Whether one more request whose body arrived would be refused (every in-flight slot taken, or the
+        body budget spent): readiness reports it, so a balancer routes elsewhere."""
+        return bool(self.max_inflight and self.active >= self.max_inflight) or self.body_bytes >= self.body_budget
 
     def _take(self, held: list[int], n: int) -> bool:
         """Count ``n`` more body bytes for a request (``held``) if the budget allows them."""
@@ -167,23 +171,42 @@ class InputGuardMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                await self._refuse(scope, receive, send, *too_large, "body_too_large")
-                return
-            if not self._take(held, len(chunk)):
-                await self._refuse_memory(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout):  # a stalled upload holds no slot, and not forever
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body:
+                        await self._refuse(scope, receive, send, *too_large, "body_too_large")
+                        return
+                    if not self._take(held, len(chunk)):
+                        await self._refuse_memory(scope, receive, send)
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            message_ = f"Request body not received within {self.body_timeout:g} s"
+            await self._refuse(scope, receive, send, HTTPStatus.REQUEST_TIMEOUT, message_, "body_timeout")
+            return
         raw = b"".join(chunks)
         del chunks
+        # Only a request whose body arrived takes an in-flight slot: stalled uploads cannot fill them.
+        if self.max_inflight and self.active >= self.max_inflight:
+            message_ = f"Server busy: {self.active} requests in progress (limit {self.max_inflight}); retry later"
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message_, "overload", headers)
+            return
+        self.active += 1
+        try:
+            await self._serve(scope, receive, send, raw)
+        finally:
+            self.active -= 1
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes) -> None:
         try:
             rewritten = await self._check(raw, generation=route_path(scope) in GENERATION_PATHS)
         except MediaError as exc:
