@@ -9,7 +9,7 @@ import time.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -62,6 +62,12 @@ class GuardSettings(BaseSettings):
     """Normalise images at the door so the engine sees what viewers show (on/off): EXIF orientation
     applied, transparency composited on white, 16/32-bit scaled to 8 bits (docs/input.md). Off: images
     reach vLLM exactly as sent (stock behaviour)."""
+
+    trust_client_uuids: bool = False
+    """Let a media part's client-supplied ``uuid`` stand for its content in vLLM's caches (on/off). Off:
+    vlguard drops every ``uuid`` at the door so vLLM hashes the media itself (a reused ``uuid`` with another
+    image was answered about the first: vllm#55547), and a ``uuid`` without media gets 400. On only when
+    every client is trusted and relies on uuid-only references."""
 
     keep_alive_timeout: float | None = Field(default=None, gt=0)
     """Seconds an idle HTTP keep-alive connection is kept open. Default: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE
@@ -127,6 +133,15 @@ class GuardSettings(BaseSettings):
     quarantine_deaths: int = Field(default=2, ge=1)
     """Engine faults a request may be charged with (it was in the step whose execution raised) before it is
     quarantined (refused, never replayed). Kills, crashes and hangs of the engine core charge nobody."""
+
+    operator_key: SecretStr | None = None
+    """Bearer key for the operator routes (/admin/quarantine). Unset: the API key (--api-key) opens them;
+    with no key at all they are closed unless --guard-admin-loopback is on. Set it through the environment
+    (VLGUARD_OPERATOR_KEY) or a profile, not on the command line (process listings show arguments)."""
+
+    admin_loopback: bool = False
+    """Trust loopback clients on the operator routes when no key is set (on/off). Off by default: behind a
+    proxy or sidecar on the same host every client is loopback."""
 
     quarantine_size: int = Field(default=4096, ge=1)
     """Fingerprints the quarantine remembers at most (least recently seen are forgotten first)."""

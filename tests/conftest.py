@@ -61,8 +61,12 @@ def tiny_model() -> Path:
 Launcher = Callable[[Path, Path], ServerProcess]
 
 
+#: The shared ``server``'s operator key (its /admin routes are closed without one).
+OPERATOR_KEY = "test-operator-key"
+
+
 def _launch_server(tiny_model: Path, logs: Path) -> ServerProcess:
-    env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1")
+    env = engine_env(VLGUARD_TEST_EMULATE_PADDING="1", VLGUARD_OPERATOR_KEY=OPERATOR_KEY)
     return SharedServer(vlguard_argv(tiny_model), logs / "vlguard.log", env=env).start()
 
 

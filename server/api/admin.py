@@ -2,14 +2,23 @@
 
 ``GET /admin/quarantine`` lists every fingerprint the quarantine remembers (strikes, seconds since the
 last, whether it is refused now); ``DELETE /admin/quarantine`` forgets them all and
-``DELETE /admin/quarantine/{fingerprint}`` one (it is served again). With ``--api-key`` (or
-``VLLM_API_KEY``) the routes need the key as ``Authorization: Bearer``, like ``/v1``; without one they
-answer only clients on the loopback interface, so an unprotected server does not let the network lift a
-quarantine.
+``DELETE /admin/quarantine/{fingerprint}`` one (it is served again).
+
+Who may call them is decided by credentials, never by the address alone (behind a proxy or sidecar on
+the same host every client is loopback):
+
+- a request that carries an ``Origin`` header is refused (403): a web page in a browser on the host, or a
+  DNS-rebinding page, cannot reach them whatever CORS allows;
+- with ``--guard-operator-key`` set, only that key (``Authorization: Bearer <key>``) opens them;
+- else with ``--api-key`` (or ``VLLM_API_KEY``) set, an API key does, read exactly as vLLM reads it on
+  ``/v1`` (scheme ``Bearer`` in any case, the token after one space);
+- with no key at all they are closed (403), unless ``--guard-admin-loopback on`` opts in to trusting
+  loopback clients (a single-host setup with no proxy in front).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from http import HTTPStatus
@@ -30,22 +39,41 @@ def _api_keys(request: Request) -> list[str]:
     return [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
 
 
+def bearer_matches(header: str, keys: list[str]) -> bool:
+    """Whether an ``Authorization`` header value holds one of ``keys`` the way vLLM's ``/v1`` middleware
+    reads it: scheme ``bearer`` in any case, then the token after the first space, compared in constant
+    time (of the tokens' hashes)."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = hashlib.sha256(token.encode()).digest()
+    return any(hmac.compare_digest(given, hashlib.sha256(key.encode()).digest()) for key in keys)
+
+
 def require_operator(request: Request) -> None:
     """Raises:
-    HTTPException: 401 without the API key (when one is set); 403 from a non-loopback client (when none is)."""
-    keys = _api_keys(request)
+    HTTPException: 403 for a request with an ``Origin`` header, or with no key configured (unless loopback
+        clients are trusted and this is one); 401 without a configured key."""
+    if "origin" in request.headers:
+        raise HTTPException(HTTPStatus.FORBIDDEN, "admin routes refuse requests from web pages (Origin header)")
+    settings = request.app.state.settings
+    operator_key = settings.operator_key.get_secret_value() if settings.operator_key else ""
+    keys = [operator_key] if operator_key else _api_keys(request)
     if keys:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
-            raise HTTPException(HTTPStatus.UNAUTHORIZED, "admin routes need the API key")
+        if not bearer_matches(request.headers.get("authorization", ""), keys):
+            which = "operator key" if operator_key else "API key"
+            raise HTTPException(HTTPStatus.UNAUTHORIZED, f"admin routes need the {which}")
         return
     host = request.client.host if request.client else ""
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback:
-        raise HTTPException(HTTPStatus.FORBIDDEN, "admin routes answer loopback clients only when no API key is set")
+    if not (settings.admin_loopback and loopback):
+        raise HTTPException(
+            HTTPStatus.FORBIDDEN,
+            "admin routes need --guard-operator-key or --api-key (or --guard-admin-loopback on for loopback clients)",
+        )
 
 
 Operator = Annotated[None, Depends(require_operator)]

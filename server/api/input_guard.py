@@ -1,7 +1,8 @@
 """Refuse bad or excessive generation requests at the door (pure ASGI middleware).
 
 For ``POST`` to the generation routes and ``/tokenize`` (paths compared without ``--root-path``), before
-vLLM sees the request:
+vLLM sees the request (any other ``POST`` path gets **404** unless it is known to take no input,
+:data:`UNCHECKED_POSTS`: deny by default):
 
 1. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
    more gets **413**; a body that has not arrived within ``body_timeout`` seconds gets **408**. The
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -39,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.admission import GENERATION_PATHS, route_path
 from server.api.errors import RETRY_AFTER_S, error_response
-from server.api.media import MediaError, MediaLimits, PixelBounds, check_media
+from server.api.media import MediaError, MediaLimits, PixelBounds, check_media, strip_client_uuids
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.compat import upstream_image_rules
@@ -49,6 +51,11 @@ from server.settings import GuardSettings
 #: Routes whose bodies are checked: generation, and ``/tokenize`` (it runs the image processor in this
 #: process, so its media and ``mm_processor_kwargs`` need the same checks).
 CHECKED_PATHS = (*GENERATION_PATHS, "/tokenize")
+
+#: POST routes of vLLM's routers that take no messages, prompts or media: nothing for the guard to check.
+#: Every other POST path is refused with 404 (deny by default: vLLM's ``/v1/chat/completions/batch`` took
+#: messages past every check; a route a new vLLM adds stays closed until the guard knows it).
+UNCHECKED_POSTS = re.compile(r"/detokenize|/v1/responses/[^/]+/cancel")
 
 #: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); so are
 #: bodies with an image to normalise (decoded and re-encoded).
@@ -115,6 +122,7 @@ class InputGuardMiddleware:
             local_media=local_media,
             normalize=settings.image_normalize,
             upstream_rules=upstream_image_rules(),
+            trust_client_uuids=settings.trust_client_uuids,
         )
         self.pixel_bounds = pixel_bounds
         self.remote = RemotePolicy(
@@ -129,8 +137,16 @@ class InputGuardMiddleware:
         expose(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in CHECKED_PATHS):
+        if not (scope["type"] == "http" and scope["method"] == "POST"):
             await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        if path not in CHECKED_PATHS:
+            if UNCHECKED_POSTS.fullmatch(path):
+                await self.app(scope, receive, send)
+            else:
+                message = f"POST {path} is not served: vlguard's input guard does not check this route"
+                await self._refuse(scope, receive, send, HTTPStatus.NOT_FOUND, message, "route")
             return
         held = [0]  # bytes this request holds of the body budget
         try:
@@ -238,6 +254,8 @@ class InputGuardMiddleware:
         if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
             message = f"request body must be a JSON object, not {type(body).__name__}"
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
+        # Client uuids dropped first: the media checks then read each part as vLLM will without them.
+        stripped = 0 if self.limits.trust_client_uuids else strip_client_uuids(body)
         if generation:
             rules = self.poison_rules()
             if (constraint := check_known_poison(body, rules)) is not None:
@@ -252,7 +270,7 @@ class InputGuardMiddleware:
             checked = check_media(body, self.limits, bounds, decode=False)
             if checked.pending:
                 checked = await asyncio.to_thread(check_media, body, self.limits, bounds)
-        changed = checked.normalized > 0
+        changed = stripped > 0 or checked.normalized > 0
         if self.limits.remote_media and await inline_remote_media(body, self.limits, self.remote):
             changed = True
         return json.dumps(body).encode() if changed else None

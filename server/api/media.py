@@ -70,6 +70,7 @@ class MediaLimits:
     local_media: bool
     normalize: bool = False
     upstream_rules: frozenset[str] = frozenset()
+    trust_client_uuids: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,15 +114,27 @@ class MediaCheck(NamedTuple):
     pending: int = 0
 
 
+#: The keys vLLM's chat parser reads a part by when it has no ``type``, or has a ``uuid``, in its order
+#: (``vllm.entrypoints.chat_utils._parse_chat_message_content_mm_part``; ``input_audio`` only when not None).
+UNTYPED_KEYS = ("image_url", "image_pil", "image_embeds", "audio_embeds", "audio_url", "input_audio", "video_url")
+#: Parts that carry no encoded media a door can check (raw tensors, in-process images): refused.
+UNCHECKABLE = ("image_pil", "image_embeds", "audio_embeds")
+
+
 def _media_kind(part: Any) -> str | None:
-    """The media kind vLLM will read ``part`` as, or None. Like vLLM's chat parser: a part without a
-    ``type``, or with a ``uuid``, that holds an ``image_url`` is an image whatever its type says."""
+    """The media kind vLLM will read ``part`` as, or None: by its ``type``, or, with no ``type`` or with a
+    ``uuid``, by the first of :data:`UNTYPED_KEYS` it holds, exactly as vLLM's chat parser does (a part
+    ``{"video_url": ...}`` with no type is a video; ``{"type": "text", "uuid": ..., "image_url": ...}`` is
+    an image)."""
     if not isinstance(part, dict):
         return None
     kind = part.get("type")
-    if "image_url" in part and (kind is None or part.get("uuid") is not None):
-        return "image_url"
-    return kind if isinstance(kind, str) and kind in MEDIA_PARTS else None
+    if kind is None or part.get("uuid") is not None:
+        for key in UNTYPED_KEYS:
+            if key in part and (key != "input_audio" or part[key] is not None):
+                return key
+        return None
+    return kind if isinstance(kind, str) and (kind in MEDIA_PARTS or kind in UNCHECKABLE) else None
 
 
 def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
@@ -138,6 +151,11 @@ def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
                 kind = _media_kind(part)
                 if kind is None:
                     continue
+                if kind in UNCHECKABLE:
+                    raise MediaError(
+                        HTTPStatus.BAD_REQUEST,
+                        f"{key}[{i}].content[{j}]: {kind} parts are not accepted; send media as data: URIs",
+                    )
                 field = MEDIA_PARTS[kind]
                 value = part.get(field)
                 holder, attr = (value, "url") if isinstance(value, dict) else (part, field)
@@ -147,6 +165,38 @@ def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
                 else:
                     url = str(holder.get(attr) or "")
                 yield MediaPart(f"{key}[{i}].content[{j}]", kind, url, holder, attr)
+
+
+def strip_client_uuids(body: dict[str, Any]) -> int:
+    """Drop the ``uuid`` of every media part (in place): vLLM trusts a client's ``uuid`` as the item's
+    identity in its caches, so the same ``uuid`` with another image was answered about the first one, and
+    a client that learnt another's ``uuid`` could ask about that client's picture (vllm#55547, PR #53471).
+    Without it vLLM hashes the content itself. Returns how many were dropped.
+
+    Raises:
+        MediaError: 400 for a part with a ``uuid`` and no content (it would stand for a cached item).
+    """
+    dropped = 0
+    for key in ("messages", "input"):
+        turns = body.get(key)
+        if not isinstance(turns, list):
+            continue
+        for i, turn in enumerate(turns):
+            content = turn.get("content") if isinstance(turn, dict) else None
+            if not isinstance(content, list):
+                continue
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or "uuid" not in part:
+                    continue
+                kind = _media_kind(part)
+                if part["uuid"] is not None and (kind is None or not part.get(kind)):
+                    raise MediaError(
+                        HTTPStatus.BAD_REQUEST,
+                        f"{key}[{i}].content[{j}]: a uuid without the media itself is not accepted; send the media",
+                    )
+                del part["uuid"]
+                dropped += 1
+    return dropped
 
 
 def _decode_data_uri(where: str, url: str, limits: MediaLimits) -> tuple[str, bytes]:

@@ -181,5 +181,15 @@ for _kind in ("soft", "rebuild"):
     RECOVERY_DURATION.labels(kind=_kind)
 for _evidence in ("named", "step_exception"):
     QUARANTINE_STRIKES.labels(evidence=_evidence)
-for _reason in ("media", "body", "body_too_large", "body_timeout", "overload", "client_faults", "poison", "memory"):
+for _reason in (
+    "media",
+    "body",
+    "body_too_large",
+    "body_timeout",
+    "overload",
+    "client_faults",
+    "poison",
+    "memory",
+    "route",
+):
     REQUESTS_REJECTED.labels(reason=_reason)

@@ -56,3 +56,59 @@ async def test_ready_is_503_while_every_slot_is_taken(make_api: Any) -> None:
         engine.resume()
     assert (await inside).status_code == 200
     assert (await api.client.get("/ready")).json()["saturated"] is False
+
+
+async def test_post_routes_the_door_does_not_check_are_refused(api: Api) -> None:
+    """#34: vLLM's batch route took messages past every check (a remote URL fetched by vLLM itself, a
+    56-megapixel PNG, a 70 MB body). Deny by default: a POST route the input guard does not check is 404,
+    and the routes known to take no input still work."""
+    batch = {"model": api.model, "messages": [[{"role": "user", "content": "hi"}]], "max_tokens": 2}
+    resp = await api.client.post("/v1/chat/completions/batch", json=batch)
+    assert resp.status_code == 404 and "input guard does not check" in resp.json()["error"]["message"]
+    assert (await api.client.post("/v1/anything/new", json={})).status_code == 404
+    assert (await api.client.post("/detokenize", json={"model": api.model, "tokens": [1, 2]})).status_code == 200
+
+
+async def test_part_shapes_are_read_as_vllm_reads_them(api: Api) -> None:
+    """#34: a part with no ``type`` holding a ``video_url`` is read by vLLM's parser as a video, and a part
+    with a ``uuid`` by its keys whatever its type; the door reads them the same way (here: a remote URL,
+    refused with remote media off, which vLLM had fetched itself)."""
+    url = "http://127.0.0.1:9/x.png"
+    seen = len(api.engine.requests)
+
+    async def post(part: dict[str, Any]) -> Any:
+        msg = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, part]}]
+        return await api.client.post(CHAT, json={"model": api.model, "messages": msg, "max_tokens": 2})
+
+    for part in (
+        {"video_url": {"url": url}},  # no type: vLLM reads the video
+        {"image_url": {"url": url}, "uuid": None},  # no type, a null uuid
+        {"type": "image_embeds", "image_embeds": "AAAA"},  # raw tensors: nothing to check
+    ):
+        resp = await post(part)
+        assert resp.status_code == 400, (part, resp.text)
+    assert len(api.engine.requests) == seen
+    # A text part with a uuid and an image_url: the uuid is dropped at the door, so vLLM reads it as the
+    # text it says it is and never fetches the URL.
+    resp = await post({"type": "text", "text": "hi", "uuid": "u-1", "image_url": {"url": url}})
+    assert resp.status_code == 200 and len(api.engine.prompts[api.engine.requests[-1]]) < 40
+
+
+async def test_a_client_uuid_never_stands_for_content(api: Api) -> None:
+    """#34 (vllm#55547): the same uuid with another image is answered about that image (the uuid is
+    dropped, vLLM hashes the content), and a uuid without the image is refused."""
+    from server.workload.images import photo_uri
+
+    def chat(image: str | None) -> dict[str, Any]:
+        part: dict[str, Any] = {"type": "image_url", "uuid": "shared-uuid"}
+        part["image_url"] = {"url": image} if image else None
+        content = [{"type": "text", "text": "What is it?"}, part]
+        return {"model": api.model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+
+    prompts = []
+    for photo in ("coffee.png", "astronaut.png"):
+        assert (await api.client.post(CHAT, json=chat(photo_uri(photo)))).status_code == 200
+        prompts.append(api.engine.prompts[api.engine.requests[-1]])
+    assert prompts[0] != prompts[1]  # two pictures, two prompts: the second was not taken for the first
+    refused = await api.client.post(CHAT, json=chat(None))
+    assert refused.status_code == 400 and "uuid without the media" in refused.json()["error"]["message"]

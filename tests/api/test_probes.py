@@ -159,15 +159,33 @@ async def test_operator_lists_and_clears_the_quarantine(make_api: Callable[..., 
     assert (await api.client.delete("/admin/quarantine", headers=key)).json()["cleared"] >= 0
 
 
-async def test_admin_routes_without_an_api_key_answer_loopback_only(api: Api) -> None:
+async def test_admin_routes_trust_credentials_not_addresses(make_api: Callable[..., object]) -> None:
+    """#34: without a key the admin routes are closed even to loopback (every client behind a proxy on
+    the host is loopback), unless loopback is trusted explicitly; a request from a web page (Origin) is
+    refused whatever it carries; the operator key opens them, and Authorization is read as on /v1."""
     import httpx
 
-    assert (await api.client.get("/admin/quarantine")).status_code == 200  # ASGITransport's client is 127.0.0.1
-    app = api.client._transport.app  # type: ignore[attr-defined]
+    closed: Api = await make_api()  # type: ignore[assignment]
+    resp = await closed.client.get("/admin/quarantine")  # ASGITransport's client is 127.0.0.1
+    assert resp.status_code == 403 and "--guard-operator-key" in resp.json()["error"]["message"]
+
+    opted: Api = await make_api("--guard-admin-loopback", "on")  # type: ignore[assignment]
+    assert (await opted.client.get("/admin/quarantine")).status_code == 200
+    assert (await opted.client.get("/admin/quarantine", headers={"Origin": "http://evil.example"})).status_code == 403
+    app = opted.client._transport.app  # type: ignore[attr-defined]
     remote = httpx.ASGITransport(app=app, client=("203.0.113.9", 5000))
     async with httpx.AsyncClient(transport=remote, base_url="http://vlguard.test") as client:
         resp = await client.delete("/admin/quarantine")
     assert resp.status_code == 403 and resp.json()["error"]["code"] == 403
+
+    keyed: Api = await make_api("--api-key", "k-1", "--guard-operator-key", "op-7")  # type: ignore[assignment]
+    assert (await keyed.client.get("/admin/quarantine", headers={"Authorization": "Bearer k-1"})).status_code == 401
+    for header in ("Bearer op-7", "bearer op-7", "BEARER op-7"):  # as vLLM reads it on /v1
+        assert (await keyed.client.get("/admin/quarantine", headers={"Authorization": header})).status_code == 200
+    for header in ("op-7", "Bearer  op-7", "Token op-7"):  # the raw key is no longer accepted
+        assert (await keyed.client.get("/admin/quarantine", headers={"Authorization": header})).status_code == 401
+    hostile = {"Authorization": "Bearer op-7", "Origin": "http://rebound.example"}
+    assert (await keyed.client.delete("/admin/quarantine", headers=hostile)).status_code == 403
 
 
 async def test_a_stop_request_turns_ready_503_while_requests_are_still_served(make_api: Callable[..., object]) -> None:

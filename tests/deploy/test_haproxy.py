@@ -275,5 +275,9 @@ def test_an_idle_pooled_connection_is_reused_through_the_balancer(
         peers = re.findall(r"127\.0\.0\.1:(\d+) - \"POST /v1/chat/completions HTTP/1\.1\" 200", log)
         assert len(peers) == 2 and peers[0] == peers[1], peers
         assert " 502 " not in lb.log_path.read_text()
+        # #34: the operator routes are not reachable through the balancer, whatever a client sends.
+        with httpx.Client(base_url=lb.url, timeout=60) as client:
+            assert client.get("/admin/quarantine").status_code == 403
+            assert client.delete("/admin/quarantine", headers={"X-Forwarded-For": "127.0.0.1"}).status_code == 403
     finally:
         stop_balancer(lb)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from server.workload.images import data_uri
+from tests.conftest import OPERATOR_KEY
 from tests.servers import ServerProcess, metric_samples
 
 
@@ -168,6 +169,6 @@ def test_engine_fields_never_5xx_never_rebuild_at_most_k_faults_each(server: Ser
     one()
     assert sum(seen.values()) == 81 and seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen
     assert rebuilds() == before
-    quarantine = httpx.get(server.url + "/admin/quarantine").json()
+    quarantine = httpx.get(server.url + "/admin/quarantine", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).json()
     assert all(entry["strikes"] <= quarantine["quarantine_deaths"] for entry in quarantine["entries"]), quarantine
     assert httpx.get(server.url + "/ready").status_code == 200
