@@ -46,6 +46,14 @@ def _attach_openai_routes(app: FastAPI) -> None:
         attach(app)
 
 
+def _tokenizer(client: GuardedEngineClient) -> Any:
+    """The served tokenizer, or None (``--skip-tokenizer-init``)."""
+    try:
+        return client.renderer.get_tokenizer()
+    except ValueError:
+        return None
+
+
 def _api_keys(args: argparse.Namespace) -> list[str]:
     """The API keys the server requires (``--api-key``, else ``VLLM_API_KEY``); empty: none."""
     import vllm.envs as envs
@@ -136,9 +144,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
             if (completion := getattr(app.state, "openai_serving_completion", None)) is not None:
                 install_completion_fixes(completion)
             app.state.pixel_bounds = _pixel_bounds(client.model_config)
-            app.state.poison_rules = poison_rules(
-                client.model_config, client.vllm_config, client.renderer.get_tokenizer()
-            )
+            app.state.poison_rules = poison_rules(client.model_config, client.vllm_config, _tokenizer(client))
             background = [asyncio.create_task(notifier.watchdog_forever(supervisor.healthy))]
             background.append(asyncio.create_task(_report_state_forever(supervisor, notifier)))
             if not args.disable_log_stats:
@@ -170,7 +176,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     _attach_openai_routes(app)
     # Starlette puts each added middleware in front: on the way in, API key, CORS (as vllm serve), input
     # guard (limits, media), admission (engine ready).
-    app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keyed=bool(_api_keys(args)))
+    app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keys=len(_api_keys(args)))
     app.add_middleware(
         InputGuardMiddleware,
         settings=settings,

@@ -41,8 +41,9 @@ class GuardSettings(BaseSettings):
     max_body_memory_mb: float | None = Field(default=None, gt=0)
     """Request bodies the API process holds at once, in all (MiB: received, checked, held while the engine
     restarts, served); a request whose body would exceed it gets 429 (503 while the engine restarts).
-    Default: one sixteenth of the machine's memory (an image request costs the API process about four
-    times its body while it is parsed and decoded)."""
+    Default: one sixteenth of the memory the process may use (the container's cgroup limit, else the
+    machine's; an image request costs the API process about four times its body while it is parsed and
+    decoded). A body larger than the whole budget gets 413."""
 
     body_timeout: float = Field(default=30.0, gt=0)
     """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
@@ -185,9 +186,20 @@ class GuardSettings(BaseSettings):
 
 
 def _default_body_memory() -> int:
+    """A sixteenth of the memory this process may use: the cgroup's limit (a container's) when there is
+    one, else the machine's."""
+    from pathlib import Path
+
     import psutil
 
-    return int(psutil.virtual_memory().total // 16)
+    total = int(psutil.virtual_memory().total)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total // 16
 
 
 def settings_from_flags(flags: dict[str, str]) -> GuardSettings:

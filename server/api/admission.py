@@ -35,18 +35,18 @@ class AdmissionMiddleware:
     """Arguments:
     app: the ASGI app to guard.
     supervisor: whose readiness gates generation requests.
-    keyed: whether the server has API keys (they then identify clients)."""
+    keys: how many API keys the server has (two or more identify clients)."""
 
-    def __init__(self, app: ASGIApp, supervisor: Supervisor, keyed: bool = False) -> None:
+    def __init__(self, app: ASGIApp, supervisor: Supervisor, keys: int = 0) -> None:
         self.app = app
         self.supervisor = supervisor
-        self.keyed = keyed
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in GENERATION_PATHS):
             await self.app(scope, receive, send)
             return
-        client = client_key(scope, self.keyed)
+        client = client_key(scope, self.keys)
         current_client.set(client)
         try:
             self.supervisor.clients.check(client)

@@ -187,6 +187,7 @@ class InputGuardMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        refusal = ""  # decided inside the timed read, answered outside it (a slow reader cannot get two)
         try:
             async with asyncio.timeout(self.body_timeout):  # a stalled upload holds no slot, and not forever
                 while True:
@@ -195,16 +196,26 @@ class InputGuardMiddleware:
                         return
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > self.max_body:
-                        await self._refuse(scope, receive, send, *too_large, "body_too_large")
-                        return
+                    if size > self.max_body or size > self.body_budget:  # could never fit: 413, not 429
+                        refusal = "body_too_large"
+                        break
                     if not self._take(held, len(chunk)):
-                        await self._refuse_memory(scope, receive, send)
-                        return
+                        refusal = "memory"
+                        break
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
+            refusal = "body_timeout"
+        if refusal == "body_too_large":
+            limit = min(self.max_body, self.body_budget)
+            await self._refuse(scope, receive, send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                               f"Request body larger than {limit} bytes", "body_too_large")  # fmt: skip
+            return
+        if refusal == "memory":
+            await self._refuse_memory(scope, receive, send)
+            return
+        if refusal == "body_timeout":
             message_ = f"Request body not received within {self.body_timeout:g} s"
             await self._refuse(scope, receive, send, HTTPStatus.REQUEST_TIMEOUT, message_, "body_timeout")
             return

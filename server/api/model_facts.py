@@ -88,8 +88,11 @@ def xgrammar_compiler(vllm_config: Any, tokenizer: Any, vocab_size: int) -> Cons
 
 
 def poison_rules(model_config: Any, vllm_config: Any, tokenizer: Any) -> PoisonRules:
-    """The door's facts about the served model (see :mod:`server.api.poison`)."""
+    """The door's facts about the served model (see :mod:`server.api.poison`); without a tokenizer
+    (``--skip-tokenizer-init``) no placeholder strings and no compile check."""
     vocab_size = int(model_config.get_vocab_size())
+    if tokenizer is None:
+        return PoisonRules(vocab_size=vocab_size)
     return PoisonRules(
         vocab_size=vocab_size,
         placeholders=placeholder_tokens(model_config.hf_config, tokenizer),

@@ -8,9 +8,9 @@ or it ran alone on probation); past ``max_faults`` within ``window_s`` the clien
 (the quarantine) but charge no client: an innocent client that shared a poison's first step is not
 punished for it.
 
-Who a client is (:func:`client_key`): the API key it presented when the server has keys, else its remote
-address as uvicorn reports it (behind a proxy that is the proxy's address unless the forwarded address is
-trusted: docs/guard.md).
+Who a client is (:func:`client_key`): the API key it presented when the server has several, else its
+remote address as uvicorn reports it; a loopback address (a proxy or sidecar on the host: every client
+looks the same) is no identity, and its faults charge no client budget (docs/guard.md).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import hashlib
+import ipaddress
 import time
 from collections.abc import Callable, Iterable
 from http import HTTPStatus
@@ -42,23 +43,33 @@ class ClientRefusedError(GuardError):
         self.retry_after_s = retry_after_s
 
 
-def client_key(scope: Scope, keyed: bool) -> str:
-    """The identity of the client behind an HTTP ``scope``.
+def client_key(scope: Scope, keys: int) -> str:
+    """The identity of the client behind an HTTP ``scope``, or "" when it cannot be told apart from others
+    (its faults then charge no client budget: the quarantine alone bounds them).
 
     Arguments:
         scope: the ASGI scope.
-        keyed: whether the server has API keys (then the presented key identifies the client).
+        keys: how many API keys the server has. With two or more, the presented key identifies the
+            client; with one, every client presents the same key, so the address is used.
 
     Returns:
-        ``"key:<12 hex>"`` (a hash of the bearer token, never the key itself) or ``"addr:<host>"``.
+        ``"key:<12 hex>"`` (a hash of the bearer token, never the key itself), ``"addr:<host>"``, or "" for
+        a loopback or unknown address: behind a proxy or sidecar on the same host every client is
+        loopback, and one client's faults must not refuse them all.
     """
-    if keyed:
+    if keys > 1:
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = auth.decode("latin-1").partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:12]
+        if scheme.lower() == "bearer" and token:
+            return "key:" + hashlib.sha256(token.encode()).hexdigest()[:12]
     client = scope.get("client")
-    return f"addr:{client[0]}" if client else "addr:unknown"
+    host = client[0] if client else ""
+    try:
+        if not host or ipaddress.ip_address(host).is_loopback:
+            return ""
+    except ValueError:
+        return ""
+    return f"addr:{host}"
 
 
 class ClientBudget:

@@ -98,11 +98,12 @@ def named_requests(exc: BaseException) -> list[str]:
     """The engine-side ids of the request(s) the failing code was handling when ``exc`` was raised.
 
     Reads the traceback, innermost frame first (then the exceptions it was raised from): the first frame
-    holding a vLLM ``Request`` as a local variable (``add_request(request)``, the scheduler's loop over
-    waiting requests, ``_create_grammar(request)`` in the grammar compiler's thread, the output loop of
-    ``update_from_output``) names every ``Request`` it holds. Works on every vLLM version without naming
-    its functions. A fault raised in another process (a model runner's, reported through the executor)
-    carries no such frame: the caller then charges the step.
+    of a function that was handed a vLLM ``Request`` as an argument (``add_request(request)``,
+    ``_create_grammar(request)`` in the grammar compiler's thread, the per-request helpers of
+    ``schedule()`` and ``update_from_output()``) names it. Only arguments count: a loop variable outlives
+    its loop, so an exception raised after the loop would name the loop's last request, an innocent.
+    Works on every vLLM version without naming its functions. A fault raised in another process (a model
+    runner's, reported through the executor) carries no such frame: the caller then charges the step.
 
     Returns:
         Sorted request ids; empty when no frame holds a request.
@@ -117,7 +118,10 @@ def named_requests(exc: BaseException) -> list[str]:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
         for frame in reversed(frames):
-            found = {v.request_id for v in frame.f_locals.values() if _is_vllm_request(v)}
+            code = frame.f_code
+            arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+            values = [frame.f_locals.get(name) for name in arguments]
+            found = {str(v.request_id) for v in values if v is not None and _is_vllm_request(v)}
             if found:
                 return sorted(found)
         current = current.__cause__ or current.__context__

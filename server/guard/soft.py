@@ -98,7 +98,7 @@ class SoftPolicy:
             window_s=float(os.environ.get(WINDOW_ENV) or 600.0),
         )
 
-    def escalation(self, exc: BaseException, step_requests: Iterable[str]) -> str | None:
+    def escalation(self, exc: BaseException, step_requests: Iterable[str], named: bool = False) -> str | None:
         """Why this fault must escalate to a rebuild, or None to absorb it.
 
         The first completed step that holds requests carried over from the last recovery is its test: a
@@ -106,14 +106,17 @@ class SoftPolicy:
         before (a poison input failing again is the quarantine's business, not a sign that the recovery
         left the engine broken). Steps holding only other requests (new ones, whose own input may fault)
         do not count. A new poison scheduled together with carried requests escalates too: a rebuild,
-        the safe side.
+        the safe side. A fault the failing code named (``named``: it was handling that request, in
+        admission, scheduling or output processing) is that request's own, carried or not: it never
+        escalates by this test (a client sending one varied poison a second rebuilt the engine every
+        half minute before).
         """
         if not self.enabled:
             return "soft recovery is off"
         if device_poisoned(exc):
             return "device error"
         in_step = request_bases(step_requests)
-        if in_step & self._carried and not in_step & self._suspects:
+        if not named and in_step & self._carried and not in_step & self._suspects:
             return "a new fault in the first step of the requests carried over from a soft recovery"
         now = self.clock()
         while self._times and now - self._times[0] > self.window_s:
@@ -124,12 +127,14 @@ class SoftPolicy:
 
     def absorbed(self, step_requests: Iterable[str], cut: Iterable[str], suspects: Iterable[str] = ()) -> None:
         """A fault was absorbed: the first step of what it cut is on watch (added to what an earlier
-        recovery's carried requests still owe). It counts against ``max_recoveries`` only when it was
-        charged to no request (``step_requests`` empty): a fault charged to requests is theirs to pay
-        (the guard's quarantine and per-client budget), not the engine's health budget. ``suspects`` (a
+        recovery's carried requests still owe). It counts against ``max_recoveries`` unless it was charged
+        to exactly one request (the failing code named it, or it was alone in its step, as a suspect on
+        probation is): that fault is the request's to pay (the guard's quarantine and per-client budget),
+        not the engine's health budget. A fault charged to a whole step of several requests still counts:
+        an engine that fails every step must not go on forever. ``suspects`` (a
         fault that named nobody) may fail again without the engine being to blame, like charged ones."""
         charged = request_bases(step_requests)
-        if not charged:
+        if len(charged) != 1:  # charged to one request (named, or alone in its step): not the engine's health
             self._times.append(self.clock())
         self._suspects |= charged | request_bases(suspects)
         self._carried |= request_bases(cut)
@@ -322,7 +327,7 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
         started = time.monotonic()
         log.blame(exc, list(core.scheduler.requests))
         step_requests = log.in_execution()[0]
-        why = policy.escalation(exc, step_requests)
+        why = policy.escalation(exc, step_requests, named=bool(log.culprits))
         if why is not None:
             logger.error("vlguard: engine step failed (%s: %s); not absorbed: %s", type(exc).__name__, exc, why)
             raise exc

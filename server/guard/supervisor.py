@@ -459,8 +459,9 @@ class Supervisor:
             + ", ".join(sorted({inflight[r] for r in charged}))
             if charged else "no request charged (no step raised: a kill, crash or hang is no evidence against one)",
         )  # fmt: skip
-        # A fault charged to requests is theirs: their strikes and their client's budget, not the restart budget.
-        self._restart_task = asyncio.create_task(self._restart(counted=not charged), name="vlguard-restart")
+        # A fault charged to one request (named, or alone in its step) is its own: its strikes and its
+        # client's budget, not the restart budget. A whole step's, a kill, a crash or a hang spend it.
+        self._restart_task = asyncio.create_task(self._restart(counted=len(charged) != 1), name="vlguard-restart")
 
     def _charge(self, inflight: dict[str, str], charged: list[str], record: FatalRecord | SoftFault | None) -> None:
         """Give each charged request (id -> fingerprint in ``inflight``) a strike; charge its client's fault

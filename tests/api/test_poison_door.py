@@ -79,23 +79,28 @@ async def test_valid_neighbours_reach_the_engine(api: Api, extra: dict[str, Any]
     assert len(api.engine.requests) == seen + 1
 
 
-async def test_bodies_are_bounded_by_bytes_429_serving_503_restarting(make_api: Any) -> None:
-    """#33 item 4: with a 1 MiB budget, a 2 MiB body is refused (429 while serving, 503 + Retry-After while
-    the engine restarts); a small request still passes, and the budget is given back after each."""
+async def test_bodies_are_bounded_by_bytes_413_429_serving(make_api: Any) -> None:
+    """#33 item 4: with a 1 MiB budget a 2 MiB body could never fit (413); two bodies of 400 kB inside a
+    paused engine leave no room for a third (429 + Retry-After while serving); a small request passes
+    once they are done, and the budget is given back after each."""
     api: Api = await make_api("--guard-max-body-memory-mb", "1", "--guard-max-request-mb", "8")
-    big = text_chat(api.model, user="x" * (2 << 20))
-    resp = await api.client.post(CHAT, json=big)
-    assert resp.status_code == 429 and resp.headers["retry-after"], resp.text
-    assert "bodies in progress" in resp.json()["error"]["message"]
-    assert (await api.client.post(CHAT, json=text_chat(api.model))).status_code == 200
-    api.supervisor._set_state(EngineState.RESTARTING)
+    resp = await api.client.post(CHAT, json=text_chat(api.model, user="x" * (2 << 20)))
+    assert resp.status_code == 413, resp.text
+    engine = api.engine
+    engine.pause()
+    seen = len(engine.requests)
+    inside = [asyncio.create_task(api.client.post(CHAT, json=text_chat(api.model, user="y" * 400_000)))
+              for _ in range(2)]  # fmt: skip
     try:
-        resp = await api.client.post(CHAT, json=big)
-        assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+        await asyncio.wait_for(engine.wait_for_requests(seen + 2), 30)
+        resp = await api.client.post(CHAT, json=text_chat(api.model, user="z" * 400_000))
+        assert resp.status_code == 429 and resp.headers["retry-after"], resp.text
+        assert "bodies in progress" in resp.json()["error"]["message"]
     finally:
-        api.supervisor._set_state(EngineState.READY)
-    metrics = (await api.client.get("/metrics")).text
-    assert "vlguard_request_body_bytes 0.0" in metrics
+        engine.resume()
+    assert [r.status_code for r in await asyncio.gather(*inside)] == [200, 200]
+    assert (await api.client.post(CHAT, json=text_chat(api.model))).status_code == 200
+    assert "vlguard_request_body_bytes 0.0" in (await api.client.get("/metrics")).text
 
 
 async def test_held_bodies_count_against_the_budget(make_api: Any) -> None:

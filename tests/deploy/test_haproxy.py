@@ -279,5 +279,6 @@ def test_an_idle_pooled_connection_is_reused_through_the_balancer(
         with httpx.Client(base_url=lb.url, timeout=60) as client:
             assert client.get("/admin/quarantine").status_code == 403
             assert client.delete("/admin/quarantine", headers={"X-Forwarded-For": "127.0.0.1"}).status_code == 403
+            assert client.get("/%61dmin/quarantine").status_code == 403  # percent-encoded (found in review)
     finally:
         stop_balancer(lb)

@@ -96,6 +96,37 @@ def test_faults_charged_to_requests_do_not_spend_the_engine_budget() -> None:
     assert policy.escalation(ValueError("x"), []) is None  # the budget is still whole
 
 
+def test_faults_charged_to_a_whole_step_still_spend_the_engine_budget() -> None:
+    """An engine that fails every step of several requests (each charged, none alone) must escalate."""
+    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=Clock())
+    for i in range(2):
+        assert policy.escalation(ValueError("x"), [f"a{i}-1", f"b{i}-1"]) is None
+        policy.absorbed([f"a{i}-1", f"b{i}-1"], cut=[f"a{i}-1", f"b{i}-1"])
+        policy.step_passed([f"a{i}-2", f"b{i}-2"])
+    assert policy.escalation(ValueError("x"), ["c-1", "d-1"]) == "2 soft recoveries within 60 s"
+
+
+def test_only_a_request_handed_to_the_failing_code_is_named() -> None:
+    """A loop variable outlives its loop: an exception raised after the loop must not name the loop's
+    last request (found in review)."""
+    from server.guard.fatal import named_requests
+
+    def helper(request: Request) -> None:
+        raise ValueError("in the request's own helper")
+
+    def after_the_loop() -> None:
+        for request in [Request("a-1"), Request("innocent-2")]:
+            assert request.request_id
+        raise ValueError("bookkeeping after the loop")
+
+    with pytest.raises(ValueError) as caught:
+        helper(Request("poison-3"))
+    assert named_requests(caught.value) == ["poison-3"]
+    with pytest.raises(ValueError) as caught:
+        after_the_loop()
+    assert named_requests(caught.value) == []
+
+
 def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(soft.ENABLED_ENV, "off")
     monkeypatch.setenv(soft.MAX_ENV, "3")
@@ -347,3 +378,14 @@ def test_a_fault_while_admitting_a_request_cuts_and_charges_it(tmp_path: Path, m
     [(_, record)] = read_soft_faults(tmp_path)
     assert (record.step_requests, record.cut, record.named) == (["new-9"], ["a-1", "new-9"], True)
     assert events[-1].startswith("outputs ['a-1', 'new-9']")
+
+
+def test_a_named_fault_of_a_carried_request_is_its_own_and_absorbed() -> None:
+    """Found by the 10-minute poison benchmark: a new poison that a previous poison's recovery had cut
+    (carried over before its first step) faulted in its own admission and, not yet a suspect, escalated
+    to a rebuild. A fault the failing code named is that request's, carried or not."""
+    policy = SoftPolicy()
+    policy.absorbed(["poison1-0000aaaa"], cut=["poison1-0000aaaa", "poison2-0000bbbb", "ok-0000cccc"])
+    assert policy.escalation(ValueError("x"), ["poison2-1111bbbb"], named=True) is None
+    # Unnamed, the same step would read as a broken engine (the carried request fails without a suspect).
+    assert policy.escalation(ValueError("x"), ["poison2-1111bbbb"]) is not None

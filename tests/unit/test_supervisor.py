@@ -533,8 +533,11 @@ def test_client_budget_counts_within_the_window_and_refuses_again_inside_it() ->
     assert ClientBudget(0, 100, 10).charge(["a"] * 5) == []  # 0: never refuse
 
 
-def test_client_key_is_the_presented_key_else_the_address() -> None:
-    scope = {"headers": [(b"authorization", b"Bearer sk-123")], "client": ("127.0.0.1", 5000)}
-    assert client_key(scope, keyed=True).startswith("key:") and "sk-123" not in client_key(scope, keyed=True)
-    assert client_key(scope, keyed=False) == "addr:127.0.0.1"
-    assert client_key({"headers": []}, keyed=True) == "addr:unknown"
+def test_client_key_is_a_key_among_several_else_a_non_loopback_address() -> None:
+    scope = {"headers": [(b"authorization", b"Bearer sk-123")], "client": ("198.51.100.7", 5000)}
+    assert client_key(scope, keys=2).startswith("key:") and "sk-123" not in client_key(scope, keys=2)
+    assert client_key(scope, keys=1) == "addr:198.51.100.7"  # one shared key tells no client apart
+    assert client_key(scope, keys=0) == "addr:198.51.100.7"
+    # Behind a proxy or sidecar on the host every client is loopback: no identity, no client budget.
+    assert client_key({**scope, "client": ("127.0.0.1", 5000)}, keys=0) == ""
+    assert client_key({"headers": []}, keys=2) == ""
