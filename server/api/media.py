@@ -137,34 +137,39 @@ def _media_kind(part: Any) -> str | None:
     return kind if isinstance(kind, str) and (kind in MEDIA_PARTS or kind in UNCHECKABLE) else None
 
 
-def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
-    """Every media part of a chat (``messages``) or responses (``input``) request body, in order."""
+def content_parts(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(where, part)`` for every content part of a chat (``messages``) or responses (``input``) request
+    body, in order (``where``: ``messages[0].content[1]``)."""
     for key in ("messages", "input"):
         turns = body.get(key)
         if not isinstance(turns, list):
             continue
         for i, turn in enumerate(turns):
             content = turn.get("content") if isinstance(turn, dict) else None
-            if not isinstance(content, list):
-                continue
-            for j, part in enumerate(content):
-                kind = _media_kind(part)
-                if kind is None:
-                    continue
-                if kind in UNCHECKABLE:
-                    raise MediaError(
-                        HTTPStatus.BAD_REQUEST,
-                        f"{key}[{i}].content[{j}]: {kind} parts are not accepted; send media as data: URIs",
-                    )
-                field = MEDIA_PARTS[kind]
-                value = part.get(field)
-                holder, attr = (value, "url") if isinstance(value, dict) else (part, field)
-                if kind == "input_audio" and isinstance(value, dict):
-                    url = f"data:audio/{value.get('format', 'wav')};base64,{value.get('data', '')}"
-                    holder, attr = part, field  # not rewritable as a URL; audio is never normalised
-                else:
-                    url = str(holder.get(attr) or "")
-                yield MediaPart(f"{key}[{i}].content[{j}]", kind, url, holder, attr)
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    yield f"{key}[{i}].content[{j}]", part
+
+
+def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
+    """Every media part of a chat (``messages``) or responses (``input``) request body, in order."""
+    for where, part in content_parts(body):
+        kind = _media_kind(part)
+        if kind is None:
+            continue
+        if kind in UNCHECKABLE:
+            raise MediaError(
+                HTTPStatus.BAD_REQUEST, f"{where}: {kind} parts are not accepted; send media as data: URIs"
+            )
+        field = MEDIA_PARTS[kind]
+        value = part.get(field)
+        holder, attr = (value, "url") if isinstance(value, dict) else (part, field)
+        if kind == "input_audio" and isinstance(value, dict):
+            url = f"data:audio/{value.get('format', 'wav')};base64,{value.get('data', '')}"
+            holder, attr = part, field  # not rewritable as a URL; audio is never normalised
+        else:
+            url = str(holder.get(attr) or "")
+        yield MediaPart(where, kind, url, holder, attr)
 
 
 def strip_client_uuids(body: dict[str, Any]) -> int:
@@ -177,25 +182,16 @@ def strip_client_uuids(body: dict[str, Any]) -> int:
         MediaError: 400 for a part with a ``uuid`` and no content (it would stand for a cached item).
     """
     dropped = 0
-    for key in ("messages", "input"):
-        turns = body.get(key)
-        if not isinstance(turns, list):
+    for where, part in content_parts(body):
+        if not isinstance(part, dict) or "uuid" not in part:
             continue
-        for i, turn in enumerate(turns):
-            content = turn.get("content") if isinstance(turn, dict) else None
-            if not isinstance(content, list):
-                continue
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or "uuid" not in part:
-                    continue
-                kind = _media_kind(part)
-                if part["uuid"] is not None and (kind is None or not part.get(kind)):
-                    raise MediaError(
-                        HTTPStatus.BAD_REQUEST,
-                        f"{key}[{i}].content[{j}]: a uuid without the media itself is not accepted; send the media",
-                    )
-                del part["uuid"]
-                dropped += 1
+        kind = _media_kind(part)
+        if part["uuid"] is not None and (kind is None or not part.get(kind)):
+            raise MediaError(
+                HTTPStatus.BAD_REQUEST, f"{where}: a uuid without the media itself is not accepted; send the media"
+            )
+        del part["uuid"]
+        dropped += 1
     return dropped
 
 

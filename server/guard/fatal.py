@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 ENV = "VLGUARD_STATE_DIR"
@@ -94,6 +95,16 @@ def _is_vllm_request(value: Any) -> bool:
     )
 
 
+def innermost_frames(exc: BaseException) -> list[FrameType]:
+    """The frames of ``exc``'s traceback, innermost (where it was raised) first."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames[::-1]
+
+
 def named_requests(exc: BaseException) -> list[str]:
     """The engine-side ids of the request(s) the failing code was handling when ``exc`` was raised.
 
@@ -112,12 +123,7 @@ def named_requests(exc: BaseException) -> list[str]:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        frames = []
-        tb = current.__traceback__
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
-        for frame in reversed(frames):
+        for frame in innermost_frames(current):
             code = frame.f_code
             arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
             values = [frame.f_locals.get(name) for name in arguments]

@@ -19,6 +19,8 @@ import collections
 import logging
 from typing import Any
 
+from server.guard.fatal import innermost_frames
+
 logger = logging.getLogger(__name__)
 
 _HOLDERS = ("EngineCoreOutput", "RequestState")
@@ -42,12 +44,7 @@ def output_fault(exc: BaseException) -> OutputProcessingFault | None:
 
 def _named(exc: BaseException) -> str | None:
     """The request id of the innermost traceback frame holding vLLM's per-request output state."""
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
+    for frame in innermost_frames(exc):
         for value in frame.f_locals.values():
             cls = type(value)
             if cls.__name__ in _HOLDERS and cls.__module__.startswith("vllm."):

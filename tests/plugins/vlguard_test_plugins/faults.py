@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 POISON_ENV = "VLGUARD_TEST_POISON_TOKENS"
@@ -130,54 +131,53 @@ def _poison_scheduler(core_on: list[int]) -> None:
     logger.warning("vlguard test plugin: steps holding tokens %s fail in the engine core", core_on)
 
 
-def _poison_admission(needle: list[int]) -> None:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+_MISSING = object()
 
-    original = KVCacheManager.get_computed_blocks
+
+def _fail_for_prompt(owner: Any, name: str, arg: int, needle: list[int], fault: Callable[[], Exception]) -> None:
+    """Wrap ``owner.<name>`` so that it raises ``fault()`` whenever its argument ``arg`` (0: ``self``) is a
+    request, or request state, whose prompt holds ``needle``; the failing function is then handed the
+    request, as vLLM's own per-request code is."""
+    original = getattr(owner, name)
     if getattr(original, "__vlguard_test_fault__", False):
         return
 
-    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if contains(list(request.prompt_token_ids or []), needle):
-            raise RuntimeError("vlguard test fault: the scheduler failed admitting a request")
-        return original(self, request, *args, **kwargs)
+    # ``self`` and ``request`` are named parameters, not ``*args``: the guard names the request a failing
+    # function was handed as an argument (server.guard.fatal.named_requests), as it would vLLM's own.
+    def wrapper(self: Any, request: Any = _MISSING, *args: Any, **kwargs: Any) -> Any:
+        subject = self if arg == 0 else request
+        if contains(list(subject.prompt_token_ids or []), needle):
+            raise fault()
+        given = () if request is _MISSING else (request,)
+        return original(self, *given, *args, **kwargs)
 
-    get_computed_blocks.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
-    KVCacheManager.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+    wrapper.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def _poison_admission(needle: list[int]) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    _fail_for_prompt(KVCacheManager, "get_computed_blocks", 1, needle,
+                     lambda: RuntimeError("vlguard test fault: the scheduler failed admitting a request"))  # fmt: skip
     logger.warning("vlguard test plugin: admitting a request holding tokens %s fails in the scheduler", needle)
 
 
 def _poison_output(needle: list[int]) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    original = Scheduler._update_request_with_output
-    if getattr(original, "__vlguard_test_fault__", False):
-        return
-
-    def update_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if contains(list(request.prompt_token_ids or []), needle):
-            raise RuntimeError("vlguard test fault: processing a request's output failed")
-        return original(self, request, *args, **kwargs)
-
-    update_request.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
-    Scheduler._update_request_with_output = update_request  # type: ignore[method-assign]
+    _fail_for_prompt(Scheduler, "_update_request_with_output", 1, needle,
+                     lambda: RuntimeError("vlguard test fault: processing a request's output failed"))  # fmt: skip
     logger.warning("vlguard test plugin: processing the output of requests holding tokens %s fails", needle)
 
 
 def _poison_detokenizer(needle: list[int]) -> None:
     from vllm.v1.engine.output_processor import RequestState
 
-    original = RequestState.make_request_output
-    if getattr(original, "__vlguard_test_fault__", False):
-        return
+    def fault() -> Exception:
+        return UnicodeDecodeError("utf-8", b"\xff", 0, 1, "vlguard test fault: invalid start byte")
 
-    def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if contains(list(self.prompt_token_ids or []), needle):
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "vlguard test fault: invalid start byte")
-        return original(self, *args, **kwargs)
-
-    make_request_output.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
-    RequestState.make_request_output = make_request_output  # type: ignore[method-assign]
+    _fail_for_prompt(RequestState, "make_request_output", 0, needle, fault)
     logger.warning("vlguard test plugin: the output of requests holding tokens %s fails in the API process", needle)
 
 
