@@ -118,6 +118,30 @@ def _pixel_bounds(model_config: Any) -> PixelBounds | None:
     return bounds
 
 
+#: The modalities whose per-prompt item limits the door applies (:func:`server.api.media.count_items`).
+_MODALITIES = ("image", "video", "audio")
+
+
+def _item_limits_from_args(args: argparse.Namespace) -> dict[str, int]:
+    """The per-prompt media limits ``--limit-mm-per-prompt`` sets (a count, or ``{"count": N, ...}``),
+    before the engine is up; modalities it leaves out keep vLLM's default (not applied until then)."""
+    limits: dict[str, int] = {}
+    for modality, value in (getattr(args, "limit_mm_per_prompt", None) or {}).items():
+        count = value.get("count") if isinstance(value, dict) else value
+        if isinstance(count, int):
+            limits[modality] = count
+    return limits
+
+
+def _item_limits(model_config: Any) -> dict[str, int]:
+    """The engine's per-prompt media limits (vLLM's ``MultiModalConfig.get_limit_per_prompt``: 0 for a
+    modality a text-only model or ``--language-model-only`` refuses); empty for a model without one."""
+    multimodal = getattr(model_config, "multimodal_config", None)
+    if multimodal is None:
+        return {}
+    return {modality: int(multimodal.get_limit_per_prompt(modality)) for modality in _MODALITIES}
+
+
 def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Supervisor) -> FastAPI:
     """Build the vlguard app.
 
@@ -144,6 +168,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
             if (completion := getattr(app.state, "openai_serving_completion", None)) is not None:
                 install_completion_fixes(completion)
             app.state.pixel_bounds = _pixel_bounds(client.model_config)
+            app.state.item_limits = _item_limits(client.model_config)
             app.state.poison_rules = poison_rules(client.model_config, client.vllm_config, _tokenizer(client))
             background = [asyncio.create_task(notifier.watchdog_forever(supervisor.healthy))]
             background.append(asyncio.create_task(_report_state_forever(supervisor, notifier)))
@@ -170,6 +195,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.args = args
     app.state.pixel_bounds = BOUNDS_PENDING  # read from the model's processor once the engine is up
     app.state.poison_rules = None  # likewise
+    app.state.item_limits = _item_limits_from_args(args)  # the engine's own once it is up
     app.root_path = args.root_path
     app.include_router(health_router)
     app.include_router(admin_router)
@@ -183,6 +209,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         local_media=bool(args.allowed_local_media_path),
         allowed_media_domains=args.allowed_media_domains,
         pixel_bounds=lambda: app.state.pixel_bounds,
+        item_limits=lambda: app.state.item_limits,
         poison_rules=lambda: app.state.poison_rules,
         engine_ready=lambda: supervisor.state is EngineState.READY,
         expose=lambda guard: setattr(app.state, "input_guard", guard),

@@ -59,6 +59,15 @@ class GuardSettings(BaseSettings):
     max_aspect_ratio: float = Field(default=200.0, ge=1)
     """Largest long-side / short-side ratio of an image (Qwen's processor refuses above 200); more gets 400."""
 
+    decode_threads: int = Field(default=2, ge=1)
+    """Threads that decode and normalise images at the door (a pool of the door's own: vLLM's serving
+    layer never waits behind it)."""
+
+    decode_pixels: int | None = Field(default=None, gt=0)
+    """Pixels (width x height) the door may be decoding at once, over all its decode threads; an image
+    waits for its share (about 20 bytes a pixel while it is normalised). Default and minimum:
+    ``max_image_pixels`` (one image of the largest size allowed)."""
+
     image_normalize: bool = True
     """Normalise images at the door so the engine sees what viewers show (on/off): EXIF orientation
     applied, transparency composited on white, 16/32-bit scaled to 8 bits (docs/input.md). Off: images
@@ -183,6 +192,10 @@ class GuardSettings(BaseSettings):
         if self.max_body_memory_mb is not None:
             return int(self.max_body_memory_mb * 1024 * 1024)
         return _default_body_memory()
+
+    def decode_pixel_budget(self) -> int:
+        """``decode_pixels``, at least ``max_image_pixels`` (an admitted image must be able to decode)."""
+        return max(self.decode_pixels or 0, self.max_image_pixels)
 
 
 def _default_body_memory() -> int:

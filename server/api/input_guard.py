@@ -15,13 +15,15 @@ vLLM sees the request (any other ``POST`` path gets **404** unless it is known t
 3. a generation request's inputs known to fault the engine are refused with **400**
    (:mod:`server.api.poison`: non-finite numbers, structured outputs without a usable constraint or
    that the engine's backend cannot compile, out-of-vocabulary token ids, literal placeholder tokens);
-4. a JSON body's media parts and ``mm_processor_kwargs`` are checked by
-   :func:`server.api.media.check_media` (**400**/**413** with a message naming the part), and its images
-   normalised (:mod:`server.api.pixels`). A body that is not JSON goes on to vLLM, whose own 400 names
-   the problem; JSON that is not an object, or nested too deeply for Python's parser, gets **400** here
-   (vLLM's request models would answer those with a 500);
+4. a JSON body's media items are counted against vLLM's per-prompt limit before anything is decoded,
+   then its media parts and ``mm_processor_kwargs`` are checked by :func:`server.api.media.check_media`
+   (**400**/**413** with a message naming the part; headers only, no pixels), and its images normalised
+   (:mod:`server.api.pixels`) in the door's bounded decode pool (:mod:`server.api.decode_pool`). A body
+   that is not JSON goes on to vLLM, whose own 400 names the problem; JSON that is not an object, or
+   nested too deeply for Python's parser, gets **400** here (vLLM's request models would answer those
+   with a 500);
 5. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
-   (:mod:`server.api.remote_media`; **400**/**413**/**504**).
+   (:mod:`server.api.remote_media`; **400**/**413**/**504**), after the count and before normalisation.
 
 The body is then handed on (unchanged unless images were normalised or inlined). Every refusal uses the OpenAI
 error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
@@ -40,8 +42,19 @@ import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.admission import GENERATION_PATHS, route_path
+from server.api.decode_pool import DecodePool
 from server.api.errors import RETRY_AFTER_S, error_response
-from server.api.media import MediaError, MediaLimits, PixelBounds, check_media, strip_client_uuids
+from server.api.media import (
+    MediaError,
+    MediaLimits,
+    PendingImage,
+    PixelBounds,
+    check_media,
+    count_items,
+    data_uri,
+    normalized_image,
+    strip_client_uuids,
+)
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.compat import upstream_image_rules
@@ -57,8 +70,8 @@ CHECKED_PATHS = (*GENERATION_PATHS, "/tokenize")
 #: messages past every check; a route a new vLLM adds stays closed until the guard knows it).
 UNCHECKED_POSTS = re.compile(r"/detokenize|/v1/responses/[^/]+/cancel")
 
-#: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); so are
-#: bodies with an image to normalise (decoded and re-encoded).
+#: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); images
+#: to normalise are decoded and re-encoded in the door's decode pool whatever the body's size.
 _OFFLOAD_BYTES = 1 << 20
 
 
@@ -94,6 +107,7 @@ class InputGuardMiddleware:
     allowed_media_domains: vLLM's ``--allowed-media-domains``: the hosts remote media may come from.
     pixel_bounds: returns the server's processed image size bounds once the engine is up (``None``: not
         known yet, or the model's processor has none).
+    item_limits: returns vLLM's per-prompt media limits (modality -> most items; ``--limit-mm-per-prompt``).
     poison_rules: returns the served model's facts for the known-poison rules once the engine is up
         (:mod:`server.api.poison`; ``None``: not known yet).
     engine_ready: whether the engine serves now (a body over the memory budget then gets 429, else 503).
@@ -106,6 +120,7 @@ class InputGuardMiddleware:
         local_media: bool = False,
         allowed_media_domains: list[str] | None = None,
         pixel_bounds: Callable[[], PixelBounds | None] = lambda: None,
+        item_limits: Callable[[], dict[str, int] | None] = lambda: None,
         poison_rules: Callable[[], PoisonRules | None] = lambda: None,
         engine_ready: Callable[[], bool] = lambda: True,
         expose: Callable[[InputGuardMiddleware], None] = lambda guard: None,
@@ -125,6 +140,8 @@ class InputGuardMiddleware:
             trust_client_uuids=settings.trust_client_uuids,
         )
         self.pixel_bounds = pixel_bounds
+        self.item_limits = item_limits
+        self.decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
         self.remote = RemotePolicy(
             allowed_hosts=frozenset(h.lower() for h in allowed_media_domains or ()),
             timeout_s=settings.remote_media_timeout,
@@ -267,24 +284,52 @@ class InputGuardMiddleware:
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
         # Client uuids dropped first: the media checks then read each part as vLLM will without them.
         stripped = 0 if self.limits.trust_client_uuids else strip_client_uuids(body)
+        bounds, items = self.pixel_bounds(), self.item_limits()
+        if items is not None:  # before any other work: more items than allowed are refused at once
+            count_items(body, items)
         if generation:
             rules = self.poison_rules()
             if (constraint := check_known_poison(body, rules)) is not None:
                 await asyncio.to_thread(check_constraint, constraint, rules)
         # Header-level checks on the event loop (under a millisecond an image: a hop to a thread and back
-        # cost more under load, when the loop is busy); off it when the body is large, or when an image
-        # must be decoded and re-encoded (tens of ms an image).
-        bounds = self.pixel_bounds()
+        # cost more under load, when the loop is busy); off it when the body is large (base64 decoding).
+        # Pixels are decoded only in the decode pool, once everything else passed.
         if len(raw) > _OFFLOAD_BYTES:
             checked = await asyncio.to_thread(check_media, body, self.limits, bounds)
         else:
-            checked = check_media(body, self.limits, bounds, decode=False)
-            if checked.pending:
-                checked = await asyncio.to_thread(check_media, body, self.limits, bounds)
-        changed = stripped > 0 or checked.normalized > 0
-        if self.limits.remote_media and await inline_remote_media(body, self.limits, self.remote):
-            changed = True
+            checked = check_media(body, self.limits, bounds)
+        pending = list(checked.pending)
+        fetched = 0
+        if self.limits.remote_media:
+            fetched, remote_pending = await inline_remote_media(body, self.limits, self.remote)
+            pending += remote_pending
+        normalized = await self._normalize(pending)
+        changed = stripped > 0 or normalized > 0 or fetched > 0
         return json.dumps(body).encode() if changed else None
+
+    async def _normalize(self, pending: list[PendingImage]) -> int:
+        """Normalise ``pending`` images in the decode pool (together, each taking its pixels from the
+        budget) and rewrite their parts. Returns how many were rewritten.
+
+        Raises:
+            MediaError: 400 for the first image whose pixels cannot be decoded (the others are cancelled).
+        """
+        if not pending:
+            return 0
+        try:
+            async with asyncio.TaskGroup() as group:
+                jobs = [
+                    group.create_task(self.decoder.run(p.pixels, normalized_image, p.part.where, p.data, self.limits))
+                    for p in pending
+                ]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0].with_traceback(None) from None
+        rewritten = 0
+        for image, job in zip(pending, jobs, strict=True):
+            if (png := job.result()) is not None:
+                image.part.replace(data_uri("image/png", png))
+                rewritten += 1
+        return rewritten
 
     @staticmethod
     async def _refuse(

@@ -1,6 +1,8 @@
 """Media checks on an OpenAI request body, before anything reaches vLLM (pure functions, no I/O).
 
-Every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``audio_url``,
+First the media items are counted per modality against vLLM's per-prompt limit
+(``--limit-mm-per-prompt``): more items than allowed are refused before anything is decoded or fetched.
+Then every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``audio_url``,
 ``input_audio``) of a chat or responses request is checked by URL scheme:
 
 * ``data:`` URIs must be well-formed base64, non-empty and at most ``max_image_bytes`` decoded; images
@@ -15,8 +17,9 @@ Every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``
   (:func:`requested_pixel_bounds`), checked before any pixel work.
 
 With ``--guard-image-normalize on`` (the default), ``data:`` images that a rule of
-:mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit) are replaced in the
-body by the normalised PNG.
+:mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit) are found here from their
+headers (:class:`PendingImage`); the door decodes and normalises them in its bounded decode pool
+(:mod:`server.api.decode_pool`) and replaces them in the body by the normalised PNG.
 
 Images smaller than the model's patch grid are not refused: Qwen3-VL's processor upscales them to its
 minimum pixel count.
@@ -46,6 +49,19 @@ MEDIA_PARTS = {
     "video_url": "video_url",
     "audio_url": "audio_url",
     "input_audio": "input_audio",
+}
+
+
+#: The modality vLLM counts a part kind under for its per-prompt limit (``--limit-mm-per-prompt``).
+MODALITY = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "image_embeds": "image",
+    "video_url": "video",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "audio_embeds": "audio",
 }
 
 
@@ -105,13 +121,21 @@ class MediaPart:
         self.holder[self.key] = url
 
 
+@dataclass(frozen=True)
+class PendingImage:
+    """A ``data:`` image that passed the header checks and that a normalisation rule applies to: its
+    decoded bytes and its pixel count (``width x height``), for the door's decode pool."""
+
+    part: MediaPart
+    data: bytes
+    pixels: int
+
+
 class MediaCheck(NamedTuple):
-    """What :func:`check_media` did: parts checked, images rewritten by normalisation, and images that
-    need normalising but were left as they are (``decode=False``)."""
+    """What :func:`check_media` found: media parts checked, and the images to normalise (not decoded yet)."""
 
     parts: int
-    normalized: int
-    pending: int = 0
+    pending: tuple[PendingImage, ...] = ()
 
 
 #: The keys vLLM's chat parser reads a part by when it has no ``type``, or has a ``uuid``, in its order
@@ -172,6 +196,35 @@ def media_parts(body: dict[str, Any]) -> Iterator[MediaPart]:
         yield MediaPart(where, kind, url, holder, attr)
 
 
+def count_items(body: dict[str, Any], item_limits: dict[str, int]) -> dict[str, int]:
+    """Count ``body``'s media items per modality, as vLLM's chat parser counts them, and check them against
+    the per-prompt limits (``--limit-mm-per-prompt``: modality -> most items; a modality not listed is not
+    limited here). Nothing is decoded: a request with more items than allowed is refused before any
+    base64 decoding, header read, pixel work or remote fetch.
+
+    Returns:
+        modality -> number of items.
+
+    Raises:
+        MediaError: 400 naming the modality, the limit and the count.
+    """
+    counts: dict[str, int] = {}
+    for _, part in content_parts(body):
+        kind = _media_kind(part)
+        if kind is not None:
+            modality = MODALITY[kind]
+            counts[modality] = counts.get(modality, 0) + 1
+    for modality, count in counts.items():
+        limit = item_limits.get(modality)
+        if limit is not None and count > limit:
+            raise MediaError(
+                HTTPStatus.BAD_REQUEST,
+                f"At most {limit} {modality}(s) may be provided in one prompt; this request has {count}",
+                "media_count",
+            )
+    return counts
+
+
 def strip_client_uuids(body: dict[str, Any]) -> int:
     """Drop the ``uuid`` of every media part (in place): vLLM trusts a client's ``uuid`` as the item's
     identity in its caches, so the same ``uuid`` with another image was answered about the first one, and
@@ -225,15 +278,23 @@ def _base64_error(payload: str) -> str:
     return "refused by the decoder"
 
 
-def check_image_bytes(where: str, data: bytes, limits: MediaLimits, rules: bool = False) -> tuple[str, list[str]]:
+class ImageHeader(NamedTuple):
+    """What an image's header says: its MIME type, the normalisation rules that apply to it, and its
+    pixel count (``width x height``)."""
+
+    mime: str
+    rules: list[str]
+    pixels: int
+
+
+def check_image_bytes(where: str, data: bytes, limits: MediaLimits, rules: bool = False) -> ImageHeader:
     """Check an encoded image from its header and its container's checksums (no pixel decoding; Pillow's
     ``verify()``: for PNG every chunk's CRC, so corrupt pixel data is refused here on every vLLM version,
     where some versions' loaders would decode it into wrong pixels).
 
     Returns:
-        ``(mime, rules)``: its MIME type, and when ``rules`` and ``limits.normalize`` are set the
-        normalisation rules that apply to it (:func:`server.api.pixels.needs_normalizing`, read from the
-        same header; else none).
+        the image's :class:`ImageHeader`; its ``rules`` are read only when ``rules`` and
+        ``limits.normalize`` are set (:func:`server.api.pixels.needs_normalizing`, from the same header).
 
     Raises:
         MediaError: 400 when unreadable or corrupt, too many pixels, or too elongated.
@@ -261,7 +322,23 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits, rules: bool 
             HTTPStatus.BAD_REQUEST,
             f"{where}: image is {width}x{height}, an aspect ratio above the limit of {limits.max_aspect_ratio:g}",
         )
-    return mime, applying
+    return ImageHeader(mime, applying, width * height)
+
+
+def normalized_image(where: str, data: bytes, limits: MediaLimits) -> bytes | None:
+    """Normalise one image that passed :func:`check_image_bytes` (:func:`server.api.pixels.normalize_image`):
+    decodes its pixels, so the door runs it in its decode pool (:mod:`server.api.decode_pool`).
+
+    Returns:
+        the normalised PNG when a rule applied, else None.
+
+    Raises:
+        MediaError: 400 when its pixels cannot be decoded.
+    """
+    try:
+        return normalize_image(data, limits.upstream_rules)
+    except Exception as exc:  # Pillow's decoders raise OSError, ValueError, SyntaxError...
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image pixels cannot be decoded ({exc})") from None
 
 
 def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bytes | None]:
@@ -273,67 +350,55 @@ def checked_image(where: str, data: bytes, limits: MediaLimits) -> tuple[str, by
     Raises:
         MediaError: 400 when refused by the checks or its pixels cannot be decoded.
     """
-    mime, rules = check_image_bytes(where, data, limits, rules=True)
-    if not rules:
-        return mime, None
-    try:
-        return mime, normalize_image(data, limits.upstream_rules)
-    except Exception as exc:  # Pillow's decoders raise OSError, ValueError, SyntaxError...
-        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image pixels cannot be decoded ({exc})") from None
+    header = check_image_bytes(where, data, limits, rules=True)
+    return header.mime, normalized_image(where, data, limits) if header.rules else None
 
 
-def checked_image_uri(where: str, data: bytes, limits: MediaLimits) -> tuple[str, bool]:
-    """:func:`checked_image`, as a ``data:`` URI.
-
-    Returns:
-        ``(data_uri, normalized)``: the image as a ``data:`` URI (the normalised PNG when a rule applied).
-
-    Raises:
-        MediaError: 400 when refused by the checks or its pixels cannot be decoded.
-    """
-    mime, normalized = checked_image(where, data, limits)
-    if normalized is not None:
-        return _data_uri("image/png", normalized), True
-    return _data_uri(mime, data), False
-
-
-def _data_uri(mime: str, data: bytes) -> str:
+def data_uri(mime: str, data: bytes) -> str:
+    """``data`` as a base64 ``data:`` URI of type ``mime``."""
     return f"data:{mime};base64,{pybase64.b64encode(data).decode('ascii')}"
 
 
 def check_media(
-    body: dict[str, Any], limits: MediaLimits, pixel_bounds: PixelBounds | None = None, decode: bool = True
+    body: dict[str, Any],
+    limits: MediaLimits,
+    pixel_bounds: PixelBounds | None = None,
+    item_limits: dict[str, int] | None = None,
 ) -> MediaCheck:
-    """Check every media part of ``body`` and, given the server's ``pixel_bounds``, its
-    ``mm_processor_kwargs`` (503 while they are :data:`BOUNDS_PENDING`); with ``limits.normalize``,
-    replace (in place) every ``data:`` image a normalisation rule applies to. With ``decode=False`` such
-    an image is only counted (``pending``), not decoded: the checks then read headers and checksums only
-    (under a millisecond an image), cheap enough for the event loop.
+    """Check ``body``'s media without decoding any pixels: first the number of items per modality against
+    ``item_limits`` (:func:`count_items`, before anything is decoded), then, given the server's
+    ``pixel_bounds``, its ``mm_processor_kwargs`` (503 while they are :data:`BOUNDS_PENDING`), then every
+    part: URL scheme, base64, size, and for images the header and checksums (under a millisecond an
+    image). Nothing in ``body`` is changed.
+
+    Returns:
+        the parts checked and, with ``limits.normalize``, the ``data:`` images a normalisation rule applies
+        to (:class:`PendingImage`; the caller normalises them in its decode pool and rewrites the parts).
 
     Raises:
         MediaError: the first part that is refused (400, or 413 for an oversized one; 503 for
             ``mm_processor_kwargs`` before the bounds are known).
     """
+    if item_limits is not None:
+        count_items(body, item_limits)
     if pixel_bounds is BOUNDS_PENDING and body.get("mm_processor_kwargs") is not None:
         raise MediaError(
             HTTPStatus.SERVICE_UNAVAILABLE, "the engine is starting: mm_processor_kwargs cannot be checked yet"
         )
     if pixel_bounds is not None:
         requested_pixel_bounds(body.get("mm_processor_kwargs"), pixel_bounds)
-    count = normalized = pending = 0
+    count = 0
+    pending: list[PendingImage] = []
     for part in media_parts(body):
         where, kind, url = part.where, part.kind, part.url
         count += 1
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
-            if part.is_image and not decode and limits.normalize:
-                pending += bool(check_image_bytes(where, data, limits, rules=True)[1])
-            elif part.is_image:  # an unchanged image keeps its URI (no re-encoding)
-                _, png = checked_image(where, data, limits)
-                if png is not None:
-                    part.replace(_data_uri("image/png", png))
-                    normalized += 1
+            if part.is_image:  # an unchanged image keeps its URI (no re-encoding)
+                header = check_image_bytes(where, data, limits, rules=True)
+                if header.rules:
+                    pending.append(PendingImage(part, data, header.pixels))
             elif mime.startswith("image/"):
                 check_image_bytes(where, data, limits)
         elif scheme in ("http", "https"):
@@ -353,7 +418,7 @@ def check_media(
                 )
         else:
             raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: unsupported {kind} URL {url[:40]!r}")
-    return MediaCheck(count, normalized, pending)
+    return MediaCheck(count, tuple(pending))
 
 
 #: ``mm_processor_kwargs`` keys a request may set: the processed-size bounds of Qwen's image processor.

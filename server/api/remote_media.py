@@ -8,7 +8,10 @@ Used only with ``--guard-remote-media on``. For every ``http(s)`` media URL of a
 * redirects are followed by hand, at most :data:`MAX_REDIRECTS`, each hop checked the same way;
 * the whole fetch is bounded in time (``--guard-remote-media-timeout``, then **504**) and in size
   (``--guard-max-image-mb``, then **413**);
-* a non-2xx answer, a connection failure or a body that is not a readable image is **400**.
+* a non-2xx answer, a connection failure, a malformed URL or a body that is not a readable image is
+  **400** with a message that names the kind of failure, not its details (no traceback in the log);
+* a request's fetches run together, at most as many as the per-prompt image limit (counted first), and
+  the first failure cancels the rest.
 
 Known limit: the address check and httpx's own connection resolve the name separately (a DNS-rebinding
 window); allow-list names you control.
@@ -26,7 +29,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from server.api.media import MediaError, MediaLimits, checked_image_uri, media_parts
+from server.api.media import MediaError, MediaLimits, MediaPart, PendingImage, check_image_bytes, data_uri, media_parts
 
 MAX_REDIRECTS = 3
 
@@ -46,20 +49,35 @@ def address_allowed(host: str, address: str, policy: RemotePolicy) -> bool:
     return ip.is_global or address in policy.allowed_hosts
 
 
+def _split(where: str, url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of ``url``.
+
+    Raises:
+        MediaError: 400 for a URL that is not http(s) with a host, or that cannot be parsed (a bad IPv6
+            literal, a port out of range): a client's typo is its own 400, never a traceback.
+    """
+    try:
+        parts = urlsplit(url)
+        scheme, host = parts.scheme, (parts.hostname or "").lower()
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: malformed URL") from None
+    if scheme not in ("http", "https") or not host:
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: not an http(s) URL")
+    return scheme, host, port
+
+
 async def _check_host(where: str, url: str, policy: RemotePolicy) -> None:
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    if parts.scheme not in ("http", "https") or not host:
-        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: not an http(s) URL: {url[:80]!r}")
+    _, host, port = _split(where, url)
     if host not in policy.allowed_hosts:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: host {host!r} is not in --allowed-media-domains")
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, parts.port or 80, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: cannot resolve {host!r} ({exc})") from None
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: cannot resolve {host!r}") from None
     refused = [str(info[4][0]) for info in infos if not address_allowed(host, str(info[4][0]), policy)]
     if refused:
-        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: {host!r} resolves to a non-public address {refused[0]}")
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: {host!r} resolves to a non-public address")
 
 
 async def _download(where: str, url: str, client: httpx.AsyncClient, policy: RemotePolicy, max_bytes: int) -> bytes:
@@ -82,36 +100,55 @@ async def _download(where: str, url: str, client: httpx.AsyncClient, policy: Rem
     raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: more than {MAX_REDIRECTS} redirects")
 
 
-async def fetch_media(where: str, url: str, limits: MediaLimits, policy: RemotePolicy) -> str:
-    """Fetch one media URL under ``policy`` and return it as a ``data:`` URI (normalised as data: images are).
+async def fetch_image(part: MediaPart, limits: MediaLimits, policy: RemotePolicy) -> PendingImage | None:
+    """Fetch one image URL under ``policy``, check it as a ``data:`` image is checked (header and
+    checksums, no pixel decoding) and put it in ``part`` as a ``data:`` URI.
+
+    Returns:
+        the image as a :class:`PendingImage` when a normalisation rule applies to it (the door normalises
+        it in its decode pool), else None.
 
     Raises:
-        MediaError: 400 (policy, HTTP error, connection failure, unreadable image), 413 (too large),
-            504 (slower than ``policy.timeout_s``).
+        MediaError: 400 (policy, HTTP error, connection failure, unreadable image: the message names the
+            failure's kind, not its details), 413 (too large), 504 (slower than ``policy.timeout_s``).
     """
+    where = part.where
     try:
         async with asyncio.timeout(policy.timeout_s):
             async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
-                data = await _download(where, url, client, policy, limits.max_image_bytes)
+                data = await _download(where, part.url, client, policy, limits.max_image_bytes)
     except TimeoutError:
         raise MediaError(
             HTTPStatus.GATEWAY_TIMEOUT, f"{where}: fetching the media took longer than {policy.timeout_s:g} s"
         ) from None
-    except httpx.HTTPError as exc:
-        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: fetching the media failed ({exc!r})") from None
-    uri, _ = await asyncio.to_thread(checked_image_uri, where, data, limits)  # decoding: off the event loop
-    return uri
+    except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+        raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: fetching the media failed ({type(exc).__name__})") from None
+    header = await asyncio.to_thread(check_image_bytes, where, data, limits, True)  # a 20 MB PNG's checksums
+    part.replace(data_uri(header.mime, data))
+    return PendingImage(part, data, header.pixels) if header.rules else None
 
 
-async def inline_remote_media(body: dict[str, Any], limits: MediaLimits, policy: RemotePolicy) -> int:
-    """Replace every ``http(s)`` image URL in ``body`` (in place) by the fetched image as a data URI.
-    Fetches run concurrently. Returns how many were fetched.
+async def inline_remote_media(
+    body: dict[str, Any], limits: MediaLimits, policy: RemotePolicy
+) -> tuple[int, list[PendingImage]]:
+    """Replace every ``http(s)`` image URL in ``body`` (in place) by the fetched image as a ``data:`` URI.
+    Fetches run concurrently (as many as the request has images: the door counted them against the
+    per-prompt limit first); the first failure cancels the others.
+
+    Returns:
+        ``(fetched, pending)``: how many images were fetched, and those a normalisation rule applies to
+        (not decoded yet).
 
     Raises:
-        MediaError: from :func:`fetch_media`, for the first URL that failed.
+        MediaError: from :func:`fetch_image`, for the first URL that failed.
     """
     targets = [p for p in media_parts(body) if p.is_image and p.url.lower().startswith(("http://", "https://"))]
-    uris = await asyncio.gather(*(fetch_media(p.where, p.url, limits, policy) for p in targets))
-    for part, uri in zip(targets, uris, strict=True):
-        part.replace(uri)
-    return len(targets)
+    if not targets:
+        return 0, []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(fetch_image(p, limits, policy)) for p in targets]
+    except BaseExceptionGroup as failed:
+        first = failed.exceptions[0]
+        raise first.with_traceback(None) from None
+    return len(targets), [pending for task in tasks if (pending := task.result()) is not None]

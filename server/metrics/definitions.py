@@ -145,6 +145,16 @@ BODY_BYTES = Gauge(
     "Bytes of the request bodies inside the API process now (bounded by --guard-max-body-memory-mb).",
     multiprocess_mode="mostrecent",
 )
+DECODE_PIXELS = Gauge(
+    "vlguard_decode_pixels",
+    "Pixels of the images the door is decoding now (bounded by --guard-decode-pixels).",
+    multiprocess_mode="mostrecent",
+)
+DECODE_WAITING = Gauge(
+    "vlguard_decode_waiting",
+    "Images waiting for the door's decode pool (its pixel budget spent).",
+    multiprocess_mode="mostrecent",
+)
 CLIENT_FAULTS = Counter(
     "vlguard_client_faults",
     "Engine faults charged to one client's request with certainty (the fault named that request alone); "

@@ -15,7 +15,9 @@ from server.api.media import (
     MediaLimits,
     PixelBounds,
     check_media,
+    count_items,
     media_parts,
+    normalized_image,
     requested_pixel_bounds,
     server_pixel_bounds,
 )
@@ -57,24 +59,43 @@ def test_parts_are_found_as_vllm_reads_them() -> None:
 
 def test_a_good_image_passes_and_counts() -> None:
     body = _chat({"type": "image_url", "image_url": {"url": _png(64, 48)}})
-    assert check_media(body, LIMITS) == (1, 0, 0)
-    assert check_media(body, dataclasses.replace(LIMITS, normalize=True)) == (1, 0, 0)  # RGB: nothing to do
+    assert check_media(body, LIMITS) == (1, ())
+    assert check_media(body, dataclasses.replace(LIMITS, normalize=True)) == (1, ())  # RGB: nothing to do
 
 
-def test_without_decoding_an_image_to_normalise_is_counted_and_left_alone() -> None:
-    """The door's event-loop pass (``decode=False``) only counts an image a rule applies to (here: grey
-    with alpha, composited on white); the pass it then runs in a thread rewrites it."""
+def test_an_image_to_normalise_is_found_from_its_header_and_left_alone() -> None:
+    """``check_media`` decodes no pixels: an image a rule applies to (here: grey with alpha, composited on
+    white) comes back as pending, with its pixel count for the decode pool's budget; the body is unchanged."""
     buf = io.BytesIO()
-    Image.new("LA", (8, 8)).save(buf, "PNG")
+    Image.new("LA", (8, 6)).save(buf, "PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     body = _chat({"type": "image_url", "image_url": {"url": url}})
     limits = dataclasses.replace(LIMITS, normalize=True)
-    assert check_media(body, limits, decode=False) == (1, 0, 1)
+    checked = check_media(body, limits)
+    [pending] = checked.pending
+    assert (checked.parts, pending.pixels, pending.data, pending.part.url) == (1, 48, buf.getvalue(), url)
     assert next(iter(media_parts(body))).url == url
-    assert check_media(body, limits) == (1, 1, 0)
-    assert next(iter(media_parts(body))).url != url
+    png = normalized_image(pending.part.where, pending.data, limits)
+    assert png is not None and Image.open(io.BytesIO(png)).mode == "RGB"
+    with pytest.raises(MediaError, match="pixels cannot be decoded"):
+        normalized_image("x", b"not an image", limits)  # what Pillow cannot decode: 400, not a 500
     with pytest.raises(MediaError, match="pixels"):  # the checks themselves still run without decoding
-        check_media(_chat({"type": "image_url", "image_url": {"url": _png(2000, 1000)}}), limits, decode=False)
+        check_media(_chat({"type": "image_url", "image_url": {"url": _png(2000, 1000)}}), limits)
+
+
+def test_items_are_counted_per_modality_before_anything_is_decoded() -> None:
+    """vLLM counts items per modality for ``--limit-mm-per-prompt``, untyped parts included; the door
+    refuses more before decoding: a part that is not even valid base64 is never looked at."""
+    junk = {"type": "image_url", "image_url": {"url": "data:image/png;base64,****"}}
+    body = _chat(junk, {"image_url": "data:x"}, {"type": "input_image", "image_url": "data:y"})
+    assert count_items(body, {"image": 3}) == {"image": 3}
+    with pytest.raises(MediaError, match=r"At most 2 image\(s\) may be provided in one prompt; this request has 3"):
+        check_media(body, LIMITS, item_limits={"image": 2})
+    with pytest.raises(MediaError, match=r"At most 0 video"):
+        count_items(_chat({"video_url": {"url": "data:v"}}), {"image": 4, "video": 0})
+    assert count_items(_chat({"type": "text", "text": "hi"}), {"image": 0}) == {}  # nothing to count
+    with pytest.raises(MediaError, match="invalid base64"):  # within the limit: checked as before
+        check_media(body, LIMITS, item_limits={"image": 3})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,167 @@
+"""Bounds before work (#34): media items counted against vLLM's per-prompt limit before anything is
+decoded or fetched; pixel work only in the door's decode pool, within its pixel budget, while other
+requests go on; remote fetches cancelled together on the first failure; a malformed URL is a 400 without
+a traceback. In-process (vlguard's own layer over vLLM's real serving layer; the tiny profile allows 4
+images and no video per prompt)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import pytest
+
+from server.workload.images import data_uri, photo_uri
+from tests.helpers import chat_body, png
+from tests.inprocess import Api
+
+WAIT_S = 20
+#: A 16-bit PNG, which normalisation scales to 8 bits on every lane: ~0.9 s of decoding each, 31 KB encoded.
+DEEP = data_uri(png(4000, 4000, "I;16"), "image/png")
+PIXELS = 4000 * 4000
+
+
+class _DecodeSpy:
+    """Wraps the door's decode pool: records every job and the pixels in progress at once (``api`` must
+    have served a request: Starlette builds the middleware at the first)."""
+
+    def __init__(self, api: Api) -> None:
+        self.pool = api.app.state.input_guard.decoder
+        self.jobs = 0
+        self.peak = 0
+        run = self.pool.run
+
+        async def spied(pixels: int, fn: Callable[..., Any], *args: object) -> Any:
+            self.jobs += 1
+            return await run(pixels, fn, *args)
+
+        self.pool.run = spied
+
+    def busy(self) -> bool:
+        self.peak = max(self.peak, self.pool.max_pixels - self.pool.free)
+        return self.pool.free < self.pool.max_pixels
+
+
+async def test_more_items_than_the_per_prompt_limit_are_refused_before_any_decoding(api: Api) -> None:
+    """Ten transparent 7000x7000 PNGs in one request took 16.8 s and +956 MB to get the 400 stock gives at
+    once: now the count comes first, and no pixel is decoded."""
+    assert (await api.client.get("/health")).status_code == 200
+    spy = _DecodeSpy(api)
+    body = chat_body(api.model, *[DEEP] * 10)
+    started = time.monotonic()
+    resp = await api.client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert "At most 4 image(s) may be provided in one prompt; this request has 10" in resp.json()["error"]["message"]
+    assert time.monotonic() - started < 1.0 and spy.jobs == 0
+    # An untyped video part counts, as vLLM's parser reads it (the profile allows no video).
+    untyped = {"model": api.model, "messages": [{"role": "user", "content": [{"video_url": {"url": "data:v"}}]}]}
+    resp = await api.client.post("/v1/chat/completions", json=untyped)
+    assert resp.status_code == 400 and "At most 0 video(s)" in resp.json()["error"]["message"]
+    tokenize = {"model": api.model, "messages": body["messages"]}
+    resp = await api.client.post("/tokenize", json=tokenize)  # the second way in: the same count
+    assert resp.status_code == 400 and "At most 4 image(s)" in resp.json()["error"]["message"] and spy.jobs == 0
+
+
+async def test_pixel_work_stays_within_the_budget_while_other_requests_go_on(make_api: Callable[..., Any]) -> None:
+    """Three requests of two 16-bit 16-megapixel images, with a budget of two such images decoding
+    at once: the budget holds, and a text request sent meanwhile is answered while they still decode."""
+    api: Api = await make_api("--guard-max-image-pixels", str(PIXELS), "--guard-decode-pixels", str(2 * PIXELS))
+    assert (await api.client.get("/health")).status_code == 200
+    spy = _DecodeSpy(api)
+    heavy = [
+        asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model, *[DEEP] * 2)))
+        for _ in range(3)
+    ]
+    deadline = time.monotonic() + WAIT_S
+    while not spy.busy():
+        assert time.monotonic() < deadline, "no decode started"
+        await asyncio.sleep(0.01)
+    light = asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model, text="Hi")))
+    while not light.done():  # sample the budget in use until the text request is answered
+        spy.busy()
+        await asyncio.sleep(0.005)
+    assert (await light).status_code == 200
+    assert spy.busy(), "the decodes ended before the text request: this test shows nothing"
+    for resp in await asyncio.wait_for(asyncio.gather(*heavy), WAIT_S):
+        assert resp.status_code == 200, resp.text
+    assert spy.jobs == 6 and 0 < spy.peak <= 2 * PIXELS and not spy.busy()
+
+
+class _Drip(http.server.BaseHTTPRequestHandler):
+    """A media host: ``/drip.png`` sends a PNG a little at a time over ~2 s and records whether the client
+    read it all or went away; every request is counted."""
+
+    hits: ClassVar[list[str]] = []
+    outcomes: ClassVar[list[str]] = []
+    done = threading.Semaphore(0)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.hits.append(self.path)
+        if self.path != "/drip.png":
+            time.sleep(0.3)  # a late failure: the downloads beside it have started
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = png(64, 64)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body) + 40 * 1024))
+        self.end_headers()
+        try:
+            for _ in range(40):
+                self.wfile.write(b"\0" * 1024)
+                self.wfile.flush()
+                time.sleep(0.05)
+            self.wfile.write(body)
+            self.outcomes.append("completed")
+        except OSError:
+            self.outcomes.append("cancelled")
+        finally:
+            self.done.release()
+
+
+@pytest.fixture(scope="module")
+def drip_host() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+async def test_remote_fetches_are_counted_first_and_cancelled_together(
+    make_api: Callable[..., Any], drip_host: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    api: Api = await make_api("--guard-remote-media", "on", "--allowed-media-domains", "127.0.0.1")
+    _Drip.hits.clear()
+    _Drip.outcomes.clear()
+    resp = await api.client.post("/v1/chat/completions", json=chat_body(api.model, *[drip_host + "/drip.png"] * 5))
+    assert resp.status_code == 400 and "At most 4 image(s)" in resp.text and _Drip.hits == []  # nothing fetched
+
+    # Three slow downloads and one that fails: the 400 comes with the failure and the downloads stop.
+    body = chat_body(api.model, *[drip_host + "/drip.png"] * 3, drip_host + "/missing.png")
+    started = time.monotonic()
+    resp = await api.client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400 and "HTTP 404" in resp.text
+    assert time.monotonic() - started < 1.5 and _Drip.hits.count("/drip.png") == 3
+    for _ in range(3):  # every download has ended, one way or the other
+        assert await asyncio.to_thread(_Drip.done.acquire, timeout=WAIT_S)
+    assert _Drip.outcomes and set(_Drip.outcomes) == {"cancelled"}, _Drip.outcomes
+
+    # A URL that cannot be parsed is the client's own 400, with no traceback in the server's log.
+    caplog.set_level(logging.INFO)
+    for url in ("http://[::1/x.png", "http://127.0.0.1:99999/x.png"):
+        resp = await api.client.post("/v1/chat/completions", json=chat_body(api.model, url))
+        assert resp.status_code == 400 and "malformed URL" in resp.json()["error"]["message"], resp.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    good = chat_body(api.model, photo_uri("astronaut.png"))
+    assert (await api.client.post("/v1/chat/completions", json=good)).status_code == 200
