@@ -100,6 +100,7 @@ class FakeEngine:
         self.requests: list[str] = []  # request ids, in the order generate() was called
         self.prompts: dict[str, list[int]] = {}  # request id -> prompt token ids as submitted
         self.inputs: dict[str, Any] = {}  # request id -> the engine input as submitted
+        self.sampling: dict[str, Any] = {}  # request id -> the sampling parameters as submitted
         self.aborted: list[str] = []
         self.mm_cache_resets = 0
         self._running = asyncio.Event()
@@ -146,6 +147,7 @@ class FakeEngine:
         """
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else [len(str(prompt))]
         self.inputs[request_id] = prompt
+        self.sampling[request_id] = sampling_params
         if self.receiver and not self._receive(prompt):
             yield _error_finish(request_id, ids)
             return

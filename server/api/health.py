@@ -48,12 +48,16 @@ async def ready(supervisor: SupervisorDep, saturated: DoorSaturatedDep) -> JSONR
 
 @router.get("/version")
 async def version() -> JSONResponse:
-    """``{"version": <vlguard>, "vllm_version": <vllm>, "patches": {"enabled", "active", "classes"}}``."""
+    """``{"version": <vlguard>, "vllm_version": <vllm>, "patches": {"enabled", "active", "classes"},
+    "carry_over": {"resumed", "rerun", "error_event"}}`` (``carry_over``: how a stream carried over a
+    recovery continues, by what its request asks: :data:`server.guard.rerun.CARRY_OVER`)."""
     import vllm
 
     from server import patches
+    from server.guard.rerun import CARRY_OVER
 
-    return JSONResponse({"version": __version__, "vllm_version": vllm.__version__, "patches": patches.report()})
+    report = {"version": __version__, "vllm_version": vllm.__version__, "patches": patches.report()}
+    return JSONResponse({**report, "carry_over": CARRY_OVER})
 
 
 @router.get("/metrics")

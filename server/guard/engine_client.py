@@ -9,6 +9,10 @@ current. When the engine dies under a request:
 * a stream that already sent tokens is **resumed**: the new engine continues from the prompt plus the
   tokens already sent, with ``max_tokens`` lowered by as many, so the client's stream goes on without a
   gap or a duplicate (greedy streams are token-identical to uninterrupted ones);
+* a stream whose decoding has state that resumption would lose (structured outputs, frequency or
+  presence penalties, a seed, stop strings: :mod:`server.guard.rerun`) is **re-run** from its start
+  instead; what follows the tokens already sent is handed on once the re-run has produced exactly them,
+  else the stream ends with an error event;
 * a request that a soft recovery cut (:mod:`server.guard.soft`: the engine finished it with ``ERROR``
   and recorded why) is carried over the same way, onto the same engine; so is one whose output
   processing raised in this process (:mod:`server.guard.output_faults`), charged to it alone;
@@ -32,6 +36,7 @@ from server.guard.errors import EngineUnavailableError, NotResumableError, Quara
 from server.guard.ipc_cache import cache_miss
 from server.guard.output_faults import output_fault
 from server.guard.quarantine import fingerprint
+from server.guard.rerun import Rerun, rerun_params, rerun_reason, seeded_for_rerun
 from server.guard.supervisor import EngineState
 from server.metrics import definitions as m
 
@@ -109,8 +114,14 @@ class GuardedEngineClient:
         self._check_quarantine(fp)
         delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
         single = getattr(sampling_params, "n", 1) == 1
+        # A stream with decoding state is re-run, not resumed, after sending tokens (a sampling one gets a
+        # seed now, so its re-run draws the same tokens).
+        stateful = delta and single and rerun_reason(sampling_params) is not None
+        if stateful:
+            sampling_params = seeded_for_rerun(sampling_params)
         original_prompt_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         sent: list[int] = []
+        sent_text: list[str] = []
         yielded = False
         carries = 0
         whole = False  # send every processed image with its data (the engine core missed one)
@@ -121,7 +132,10 @@ class GuardedEngineClient:
                 m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
                 raise
             attempt_prompt, attempt_params = prompt, sampling_params
-            if sent:
+            rerun = None
+            if sent and stateful:
+                attempt_params, rerun = rerun_params(sampling_params), Rerun(sent, "".join(sent_text))
+            elif sent:
                 attempt_prompt, attempt_params = resume_input(prompt, sampling_params, sent)
             suspect = sup.is_suspect(fp)
             if not suspect:
@@ -149,6 +163,8 @@ class GuardedEngineClient:
                             missed, first = not cut and cache_miss(output, stripped, first), False
                             if missed:
                                 continue
+                            if rerun is not None and (output := rerun.take(output, cut)) is None:
+                                continue  # the re-run is still inside what was sent
                             if cut:
                                 _unfinish(output)
                                 if not (delta and single and output.outputs and output.outputs[0].token_ids):
@@ -159,6 +175,7 @@ class GuardedEngineClient:
                                 output.prompt_token_ids = original_prompt_ids
                             if delta and single and output.outputs:
                                 sent.extend(output.outputs[0].token_ids)
+                                sent_text.append(output.outputs[0].text)
                             yielded = True
                             yield output
                         if missed:
@@ -174,6 +191,9 @@ class GuardedEngineClient:
                             return
                     except EngineDeadError:
                         sup.report_death(generation)
+                    except NotResumableError:  # a re-run that diverged: it ends here, on the engine too
+                        await engine.abort(request_id)
+                        raise
                     except Exception as exc:
                         if (fault := output_fault(exc)) is None:
                             raise
@@ -189,10 +209,8 @@ class GuardedEngineClient:
                 m.REQUESTS_FAILED.labels(reason="not_resumable").inc()
                 raise NotResumableError("engine restarted after output was sent; this request cannot be resumed")
             (m.REQUESTS_RESUMED if sent else m.REQUESTS_REPLAYED).inc()
-            logger.warning(
-                "request %s (%s) carried over: %s",
-                request_id, fp, f"resume after {len(sent)} tokens" if sent else "replay",
-            )  # fmt: skip
+            how = "replay" if not sent else f"{'re-run' if stateful else 'resume'} after {len(sent)} tokens"
+            logger.warning("request %s (%s) carried over: %s", request_id, fp, how)
 
     def _check_quarantine(self, fp: str) -> None:
         try:

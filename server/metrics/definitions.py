@@ -117,7 +117,7 @@ MM_CACHE_RESENDS = Counter(
 REQUESTS_FAILED = Counter(
     "vlguard_requests_failed",
     "Requests the guard could not save, by reason (hold_timeout, too_many_held, engine_failed, "
-    "not_resumable, replay_limit).",
+    "not_resumable, rerun_diverged, replay_limit).",
     ["reason"],
 )
 API_TASKS = Gauge(

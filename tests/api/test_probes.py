@@ -8,6 +8,8 @@ import asyncio
 import json
 from collections.abc import Callable
 
+import pytest
+
 from server.guard.supervisor import EngineState
 from server.guard.watchdog import DeathCause
 from tests.helpers import chat_body
@@ -23,7 +25,8 @@ async def test_health_ready_version_metrics(api: Api) -> None:
     ready = await api.client.get("/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True
     version = (await api.client.get("/version")).json()
-    assert set(version) == {"version", "vllm_version", "patches"}
+    assert set(version) == {"version", "vllm_version", "patches", "carry_over"}
+    assert "structured outputs" in version["carry_over"]["rerun"]
     assert set(version["patches"]) >= {"enabled", "active"}
     metrics = await api.client.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
@@ -119,6 +122,31 @@ async def test_stream_that_cannot_be_resumed_ends_with_an_error_event(api: Api) 
     events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
     assert not any("error" in e for e in events) and resp.text.rstrip().endswith("data: [DONE]")
     assert api.supervisor.generation == 3
+
+
+@pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
+async def test_a_stream_with_decoding_state_is_rerun_not_resumed(api: Api, route: str) -> None:
+    """#35: a stream whose decoding has state a resumption would lose (here stop strings and a frequency
+    penalty) is re-run on the new engine from its original prompt, and the client's stream goes on right
+    after the tokens it already had: the same text as uninterrupted, nothing twice. Chat and completions
+    streams alike (one engine client serves every route)."""
+    fields = {"stream": True, "max_tokens": 8, "temperature": 0, "frequency_penalty": 1.0, "stop": ["never"]}
+    body = chat_body(api.model, **fields) if route == CHAT else {"model": api.model, "prompt": "Hello", **fields}
+
+    def content(text: str) -> str:
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert not any("error" in e for e in events), events
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        return "".join((c["delta"].get("content") if "delta" in c else c["text"]) or "" for c in choices)
+
+    reference = content((await api.client.post(route, json=body)).text)
+    first = api.engine
+    first.die_after(3)
+    resp = await api.client.post(route, json=body)
+    assert content(resp.text) == reference and reference.count(" t") == 8
+    rerun = api.engine
+    assert rerun is not first and rerun.prompts[rerun.requests[-1]] == first.prompts[first.requests[-1]]
+    assert rerun.sampling[rerun.requests[-1]].max_tokens == 8  # the whole request again, not the rest
 
 
 async def test_cors_preflight_as_vllm_serve(make_api: Callable[..., object]) -> None:
