@@ -124,18 +124,25 @@ async def test_stream_that_cannot_be_resumed_ends_with_an_error_event(api: Api) 
     assert api.supervisor.generation == 3
 
 
-@pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
+@pytest.mark.parametrize("route", [CHAT, "/v1/completions", "/v1/responses"])
 async def test_a_stream_with_decoding_state_is_rerun_not_resumed(api: Api, route: str) -> None:
     """#35: a stream whose decoding has state a resumption would lose (here stop strings and a frequency
     penalty) is re-run on the new engine from its original prompt, and the client's stream goes on right
-    after the tokens it already had: the same text as uninterrupted, nothing twice. Chat and completions
-    streams alike (one engine client serves every route)."""
+    after the tokens it already had: the same text as uninterrupted, nothing twice. Chat, completions and
+    responses streams alike (one engine client serves every route)."""
     fields = {"stream": True, "max_tokens": 8, "temperature": 0, "frequency_penalty": 1.0, "stop": ["never"]}
-    body = chat_body(api.model, **fields) if route == CHAT else {"model": api.model, "prompt": "Hello", **fields}
+    body = {
+        CHAT: chat_body(api.model, **fields),
+        "/v1/completions": {"model": api.model, "prompt": "Hello", **fields},
+        "/v1/responses": {"model": api.model, "input": "Hello", "stream": True, "max_output_tokens": 8,
+                          "temperature": 0, "frequency_penalty": 1.0, "stop": ["never"]},
+    }[route]  # fmt: skip
 
     def content(text: str) -> str:
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-        assert not any("error" in e for e in events), events
+        assert not any("error" in e or e.get("type") == "error" for e in events), events
+        if route == "/v1/responses":
+            return "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
         choices = [e["choices"][0] for e in events if e["choices"]]
         return "".join((c["delta"].get("content") if "delta" in c else c["text"]) or "" for c in choices)
 
