@@ -54,6 +54,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "vllm.entrypoints.openai.server_utils",
     ),
     "init_app_state": ("vllm.entrypoints.launchers.api_server.app_state", "vllm.entrypoints.openai.api_server"),
+    "build_app": ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server"),
 }
 
 

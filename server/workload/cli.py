@@ -84,14 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("model", help="model path or name, as for `vllm serve`")
     cmp_.add_argument(
         "--scenario",
-        choices=[*sorted(compare.SCENARIOS), "fault", "poison"],
+        choices=[*sorted(compare.SCENARIOS), "fault", "poison", "front"],
         default="overhead",
         help="overhead: vlguard vs stock; noise: stock vs stock (the machine's floor); "
         "kill: engine killed mid-run, vlguard vs stock; "
         "alignment / patches: vlguard with that feature on vs off; fault: a step fault every --fault-every "
         "seconds, vlguard soft recovery vs rebuild vs stock restarted (test fault plugin); poison: one client "
         "sends a varied poison every --fault-every seconds beside the load, vlguard with and without the "
-        "per-client fault budget (test fault plugin) (default overhead)",
+        "per-client fault budget (test fault plugin); front: the API process alone, stock's app vs vlguard's "
+        "and stock vs stock, over a null engine core: CPU per request (default overhead)",
     )
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
     cmp_.add_argument(
@@ -264,6 +265,8 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         return _fault_main(opts, stem)
     if args.scenario == "poison":
         return _poison_main(opts, stem)
+    if args.scenario == "front":
+        return _front_main(opts, stem)
     a, b = (s.name for s in compare.SCENARIOS[args.scenario])
     if args.scenario == "kill":
         result = compare.kill(opts)
@@ -305,6 +308,24 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     }
     written.insert(0, _write_json(stem.with_suffix(".json"), result))
     print("wrote", *written)
+    return 0
+
+
+def _front_main(opts: compare.CompareOptions, stem: Path) -> int:
+    from server.workload import front
+
+    result = front.run(opts.model, list(opts.serve_args), opts.out, opts.workload, rounds=opts.rounds,
+                       warmup=opts.warmup, pairs=opts.pairs, concurrency=opts.concurrency,
+                       progress=opts.progress)  # fmt: skip
+    for line in front.summary_lines(result):
+        print(line)
+    payload = {
+        "scenario": "front", "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload,
+        "cpu_ms": result.cpu_ms, "failed": result.failed, "own_ms": result.own_ms,
+        "ratio": result.ratio("vlguard", "stock-a"), "aa_ratio": result.ratio("stock-b", "stock-a"),
+        "added_ms": result.added_ms("vlguard", "stock-a"), "aa_added_ms": result.added_ms("stock-b", "stock-a"),
+    }  # fmt: skip
+    print("wrote", _write_json(stem.with_suffix(".json"), payload))
     return 0
 
 

@@ -241,6 +241,12 @@ def install(path: str) -> list[str]:
     return wrapped
 
 
+def trace_engine_client(cls: type) -> None:
+    """Stamp ``submit`` and ``output`` on ``cls.generate``, an engine client standing in for ``AsyncLLM``
+    (the front bench's null engine, :mod:`server.workload.front`)."""
+    cls.generate = _traced_stream("submit", "output", _any)(cls.__dict__["generate"])  # type: ignore[attr-defined]
+
+
 def register() -> None:
     """Plugin entry point: :func:`install` in the API process when ``VLGUARD_PHASE_TRACE`` names a file."""
     path = os.environ.get(ENV)

@@ -277,3 +277,14 @@ def test_the_overhead_scenarios_stock_side_runs_no_vlguard_plugin_but_the_tracer
         SCENARIOS["overhead"][1], CompareOptions(model="m", scenario="overhead", out=tmp_path, trace=False)
     )
     assert untraced.env["VLLM_PLUGINS"] == "" and "VLGUARD_PHASE_TRACE" not in untraced.env
+
+
+def test_front_ratio_and_added_cpu_come_from_paired_rounds() -> None:
+    """``--scenario front``: per-round ratios (geometric mean, t interval) and added ms per request."""
+    from server.workload.front import FrontResult
+
+    result = FrontResult(cpu_ms={"stock-a": [10.0, 20.0, 10.0], "vlguard": [11.0, 22.0, 11.0]})
+    ratio, (low, high) = result.ratio("vlguard", "stock-a")
+    assert abs(ratio - 1.1) < 1e-9 and abs(low - 1.1) < 1e-9 and abs(high - 1.1) < 1e-9  # no spread: exact
+    added, (dlow, dhigh) = result.added_ms("vlguard", "stock-a")
+    assert abs(added - 4 / 3) < 1e-9 and dlow < added < dhigh

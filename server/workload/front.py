@@ -1,0 +1,305 @@
+"""``vlguard bench compare --scenario front``: the API process's own CPU per request, stock's app against
+vlguard's, with the engine core taken out of the measurement (#37).
+
+End to end on a 2-core machine, stock against itself moves 8 % in throughput and 9 % in API CPU over a
+run: the engine core and the API process share the cores, so a 2 % goal cannot be resolved there. Here
+each system is only its API process: stock's app (vLLM's ``build_app`` + ``init_app_state``) and vlguard's
+(``create_app``, guard and door included) each serve from a process of its own, over uvicorn on loopback,
+with vLLM's real serving layer, tokenizer, chat template and image processor, over a :class:`NullEngine`
+in place of the engine core (it answers ``max_tokens`` tokens at once, computing nothing). Three
+processes run side by side: ``stock-a``, ``stock-b`` (the A/A pair: the resolution) and ``vlguard``.
+
+Each round sends the same block of two-pass pairs (images included, half the requests streamed) to each
+process in turn, in an order that rotates every round, and reads the process's CPU time (user + system,
+every thread) before and after: CPU per request. The ratio vlguard/stock-a and stock-b/stock-a are given
+per round and as a 90 % t interval of their geometric mean over the rounds; vlguard's own code per
+request comes from the phase trace (:mod:`server.workload.phase_trace`) in its process.
+
+What is left out, on purpose: the engine core, AsyncLLM's output processing and detokenization (both
+systems share it unchanged; the null engine hands text over directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncGenerator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+from server.workload import generator, phase_trace, report
+from server.workload.servers import free_port
+
+SYSTEMS = ("stock-a", "vlguard", "stock-b")
+
+
+class NullEngine:
+    """The engine-client surface vLLM's serving layer and vlguard's supervisor use, over no engine core:
+    ``generate`` yields ``max_tokens`` outputs at once (token ids from the prompt, a word of text each)."""
+
+    def __init__(self, vllm_config: Any, renderer: Any, input_processor: Any) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+        self.input_processor = input_processor
+        self.errored = False
+        self.dead_error = RuntimeError("the null engine does not die")
+        self.engine_core = self
+        self.is_running, self.is_stopped = True, False
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncGenerator[Any, None]:
+        from vllm.outputs import CompletionOutput, RequestOutput
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = list(prompt.get("prompt_token_ids") or [0]) if isinstance(prompt, dict) else [0]
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        n = sampling_params.max_tokens or 16
+        out: list[int] = []
+        for i in range(n):
+            out.append((sum(ids) + 31 * i) % 1000)
+            new = out[-1:] if delta else list(out)
+            finished = i == n - 1
+            text = "".join(f" w{t}" for t in new)
+            completion = CompletionOutput(index=0, text=text, token_ids=new, cumulative_logprob=None, logprobs=None,
+                                          finish_reason="length" if finished else None)  # fmt: skip
+            yield RequestOutput(request_id, None, ids, None, [completion], finished)
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        return None
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        return None
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    async def check_health(self) -> None:
+        return None
+
+    async def reset_mm_cache(self) -> None:
+        return None
+
+    async def get_output_async(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, NullEngine]:
+    """``(args, settings, engine)``: the serve arguments as ``vlguard serve`` parses them, and a null
+    engine over the configuration, renderer and input processor ``AsyncLLM`` would build in this process
+    (vlguard's form of the processor cache when ``guard``)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from server.cli import resolve_serve_args
+    from server.compat import build_renderer_and_input_processor
+    from server.guard import replay_cache
+    from server.serve import engine_args
+
+    if guard:
+        replay_cache.install()
+    args, settings = resolve_serve_args(["serve", model, *flags])
+    # Stock gets vLLM's own engine arguments; vlguard its overrides (as each one's serve builds them).
+    built = engine_args(args, settings) if guard else AsyncEngineArgs.from_cli_args(args)
+    vllm_config = built.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    renderer, input_processor = build_renderer_and_input_processor(vllm_config)
+    return args, settings, NullEngine(vllm_config, renderer, input_processor)
+
+
+def _stock_app(args: Any, engine: NullEngine) -> Any:
+    """vLLM's own app (``build_app``), its state initialised over ``engine`` when it starts."""
+    from server.compat import vllm_symbol
+
+    app = vllm_symbol("build_app")(args, ("generate",))
+    init_app_state = vllm_symbol("init_app_state")
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app_: Any) -> Any:
+        await init_app_state(engine, app_.state, args, ("generate",))
+        async with inner(app_):
+            yield
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def _vlguard_app(args: Any, settings: Any, engine: NullEngine) -> Any:
+    """vlguard's app (``create_app``) with its supervisor over ``engine``."""
+    from server.app import create_app
+    from server.guard.supervisor import Supervisor
+
+    return create_app(args, settings, Supervisor(lambda: engine, settings))
+
+
+def serve(system: str, model: str, port: int, flags: list[str]) -> None:
+    """Serve ``system`` (``stock*`` or ``vlguard``) on 127.0.0.1:``port`` until killed; phase-traced into
+    ``$VLGUARD_PHASE_TRACE`` when set."""
+    import uvicorn
+
+    guard = system == "vlguard"
+    args, settings, engine = _parts(model, flags, guard)
+    app = _vlguard_app(args, settings, engine) if guard else _stock_app(args, engine)
+    if trace := os.environ.get(phase_trace.ENV):
+        phase_trace.install(trace)
+        phase_trace.trace_engine_client(NullEngine)
+    # The same HTTP server settings for both: no access log (its cost would only blur the comparison).
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+@dataclass
+class FrontResult:
+    """Per system: CPU ms per request of each round; the rounds' ratios and their intervals."""
+
+    cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    records: dict[str, list[generator.Record]] = field(default_factory=dict)
+    own_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def ratio(self, a: str, b: str) -> tuple[float, tuple[float, float]]:
+        """The geometric mean of ``a``/``b`` over the rounds, and its 90 % t interval."""
+        per_round = [x / y for x, y in zip(self.cpu_ms[a], self.cpu_ms[b], strict=True) if y > 0]
+        mean = math.exp(float(np.mean(np.log(per_round)))) if per_round else math.nan
+        return mean, report.pair_interval(per_round, log=True)
+
+    def added_ms(self, a: str, b: str) -> tuple[float, tuple[float, float]]:
+        """The mean of ``a`` - ``b`` CPU ms per request over the rounds, and its 90 % t interval."""
+        diffs = [x - y for x, y in zip(self.cpu_ms[a], self.cpu_ms[b], strict=True)]
+        return float(np.mean(diffs)), report.pair_interval(diffs)
+
+
+def _process_cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def run(
+    model: str,
+    flags: list[str],
+    out: Path,
+    workload: generator.TwoPassConfig,
+    rounds: int = 10,
+    warmup: int = 1,
+    pairs: int = 8,
+    concurrency: int = 4,
+    progress: bool = False,
+) -> FrontResult:
+    """Start the three systems, send ``warmup`` + ``rounds`` blocks of ``pairs`` pairs to each in rotating
+    order, and measure their CPU per request. Writes each process's log (and vlguard's trace) to ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls: dict[str, str] = {}
+    trace = out / "compare-front-vlguard-trace.jsonl"
+    trace.write_bytes(b"")
+    try:
+        for system in SYSTEMS:
+            port = free_port()
+            env = {**os.environ, "VLLM_PLUGINS": ""}  # neither loads vlguard's engine plugins: no engine here
+            if system == "vlguard":
+                env[phase_trace.ENV] = str(trace)
+            log = (out / f"compare-front-{system}.log").open("wb")
+            argv = [sys.executable, "-m", "server.workload.front", "serve", system, model, str(port), "--", *flags]
+            procs[system] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            urls[system] = f"http://127.0.0.1:{port}"
+        for system, url in urls.items():
+            _wait_ready(url, procs[system], out / f"compare-front-{system}.log")
+        plan = generator.TwoPassPlan(workload)
+        result = FrontResult({s: [] for s in SYSTEMS}, {s: 0 for s in SYSTEMS}, {s: [] for s in SYSTEMS})
+        for r in range(warmup + rounds):
+            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
+            for system in order:
+                before = _process_cpu_s(procs[system].pid)
+                done = asyncio.run(
+                    generator.run(
+                        urls[system],
+                        plan,
+                        pairs=pairs,
+                        first_pair=r * pairs,
+                        concurrency=concurrency,
+                        model=model,
+                        progress=progress,
+                        trace=system == "vlguard",
+                    )
+                )
+                used = _process_cpu_s(procs[system].pid) - before
+                if r >= warmup:
+                    result.cpu_ms[system].append(1000.0 * used / max(1, len(done.records)))
+                    result.failed[system] += sum(not rec.ok for rec in done.records)
+                    result.records[system] += done.records
+        phases = report.trace_phases_ms(result.records["vlguard"], phase_trace.read(trace))
+        result.own_ms = {name: phases[name] for name in report.GUARD_OWN_PHASES if name in phases}
+        return result
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(30)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+
+
+def summary_lines(result: FrontResult) -> list[str]:
+    """What ``vlguard bench compare --scenario front`` prints."""
+    lines = []
+    for system in SYSTEMS:
+        ms = result.cpu_ms[system]
+        lines.append(f"{system:8} API CPU per request: median {np.median(ms):.2f} ms over {len(ms)} rounds "
+                     f"(min {min(ms):.2f}, max {max(ms):.2f}); failed {result.failed[system]}")  # fmt: skip
+    for a, b, what in (("vlguard", "stock-a", "vlguard/stock"), ("stock-b", "stock-a", "A/A (stock/stock)")):
+        ratio, (low, high) = result.ratio(a, b)
+        added, (dlow, dhigh) = result.added_ms(a, b)
+        lines.append(f"{what:18} CPU per request ratio {ratio:.3f} (90 % interval {low:.3f}-{high:.3f}); "
+                     f"added {added:+.2f} ms ({dlow:+.2f} to {dhigh:+.2f})")  # fmt: skip
+    if result.own_ms:
+        lines.append("vlguard's own code per streamed request (phase trace, p50 / mean ms): " + ", ".join(
+            f"{name} {v['p50']:.3f} / {v['mean']:.3f}" for name, v in result.own_ms.items()))  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m server.workload.front serve SYSTEM MODEL PORT -- FLAGS``: one system's process."""
+    parser = argparse.ArgumentParser(prog="python -m server.workload.front")
+    sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve")
+    srv.add_argument("system", choices=SYSTEMS)
+    srv.add_argument("model")
+    srv.add_argument("port", type=int)
+    srv.add_argument("flags", nargs="*")
+    args = parser.parse_args(argv)
+    serve(args.system, args.model, args.port, args.flags)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
