@@ -84,6 +84,24 @@ def test_units_verify(systemd_analyze: str, tmp_path: Path) -> None:
         assert result.returncode == 0 and not result.stderr.strip(), (name, result.stderr)
 
 
+#: ``systemd-analyze security`` exposure the units may not exceed (0-10; 4.0 and below is "OK"). Measured:
+#: vlguard.service and vlguard@0.service 1.6, vlguard-docker.service 0.7 (all 7.5-9.0 before #34).
+MAX_EXPOSURE = 4.0
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_units_are_hardened_as_systemd_analyze_security_asks(systemd_analyze: str, name: str, tmp_path: Path) -> None:
+    """#34: each unit's exposure at most :data:`MAX_EXPOSURE`, read by the real ``systemd-analyze security``
+    (a template through an instance of it)."""
+    path = tmp_path / name.replace("@.", "@0.")
+    path.write_text((SYSTEMD / name).read_text())
+    out = subprocess.run([systemd_analyze, "security", "--offline=yes", str(path)],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout + out.stderr)
+    assert found, out.stdout + out.stderr
+    assert float(found.group(1)) <= MAX_EXPOSURE, out.stdout[-3000:]
+
+
 @pytest.mark.parametrize("name", UNITS)
 def test_units_carry_the_production_settings(name: str) -> None:
     u = unit(name)
