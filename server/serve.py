@@ -242,6 +242,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_keep_alive=keep_alive_timeout(settings),
+        forwarded_allow_ips=settings.forwarded_allow_ips,  # None: FORWARDED_ALLOW_IPS, else 127.0.0.1
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,

@@ -79,6 +79,14 @@ class GuardSettings(BaseSettings):
     image was answered about the first: vllm#55547), and a ``uuid`` without media gets 400. On only when
     every client is trusted and relies on uuid-only references."""
 
+    forwarded_allow_ips: str | None = None
+    """Addresses (comma-separated; ``*`` for any) whose ``X-Forwarded-For`` header vlguard takes as the
+    client's address (for logs and the per-client fault budget). Default: uvicorn's
+    ``FORWARDED_ALLOW_IPS`` environment variable, else ``127.0.0.1``: a proxy on the same host that sets
+    the header itself, as the shipped HAProxy does (it drops the client's own). Set it to an empty string
+    when whatever connects from those addresses passes clients' headers through: a client could then
+    choose its address, and have another client's address refused."""
+
     keep_alive_timeout: float | None = Field(default=None, gt=0)
     """Seconds an idle HTTP keep-alive connection is kept open. Default: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     when set, else 75 (above the 60 s idle timeouts of nginx upstream pools and cloud load balancers, so a

@@ -6,6 +6,7 @@ health checks, retries and timeouts are the shipped ones."""
 from __future__ import annotations
 
 import csv
+import http.server
 import io
 import re
 import shutil
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -111,9 +113,52 @@ def test_shipped_configuration_is_valid_and_retries_only_before_a_response(hapro
     lines = [line.strip() for line in CONFIG.read_text().splitlines() if not line.lstrip().startswith("#")]
     assert "option httpchk GET /ready" in lines and "http-check expect status 200" in lines
     retry_on = next(line for line in lines if line.startswith("retry-on")).split()[1:]
-    # Never a retry once the replica started answering (junk-response, response-timeout, 500/502/504):
-    # a stream would be sent twice. 503 is vlguard refusing the request (hold timeout, draining).
-    assert set(retry_on) == {"conn-failure", "empty-response", "503"}
+    # #34: a retry only when the request provably never reached a replica. Not on an empty response (the
+    # replica may have died of this request) nor on a 503 (vlguard's answer after engine deaths too).
+    assert retry_on == ["conn-failure"]
+    assert "option forwardfor" in lines and "http-request del-header X-Forwarded-For" in lines
+
+
+class _Backend(http.server.BaseHTTPRequestHandler):
+    """A replica stand-in: healthy for the balancer's checks; every POST is counted and its connection
+    closed without an answer (a replica whose process died of the request)."""
+
+    posts: ClassVar[list[int]] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.posts.append(self.server.server_address[1])
+        self.close_connection = True  # no status line, nothing: an empty response
+
+
+@dataclass
+class _Port:
+    port: int
+
+
+def test_a_request_that_killed_a_replica_is_not_sent_to_the_next(haproxy_bin: str, tmp_path: Path) -> None:
+    """#34: the shipped retry policy, for real: a replica closes the connection without answering (as when
+    the request killed it); HAProxy answers the client 502 and sends the request to no other replica."""
+    backends = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend) for _ in range(2)]
+    threads = [threading.Thread(target=b.serve_forever, daemon=True) for b in backends]
+    for thread in threads:
+        thread.start()
+    _Backend.posts.clear()
+    lb = start_balancer(haproxy_bin, tmp_path, [_Port(b.server_address[1]) for b in backends])  # type: ignore[misc]
+    try:
+        resp = httpx.post(lb.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=30)
+        assert resp.status_code == 502 and len(_Backend.posts) == 1, (resp.status_code, _Backend.posts)
+    finally:
+        stop_balancer(lb)
+        for b in backends:
+            b.shutdown()
 
 
 #: The replica's ``--guard-shutdown-delay``: above the shipped check's detection time (inter 2 s x fall 2).

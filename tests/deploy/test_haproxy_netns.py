@@ -60,11 +60,11 @@ def client_netns() -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-def from_client(ns: str, method: str, url: str) -> int:
+def from_client(ns: str, method: str, url: str, *headers: str) -> int:
     """The HTTP status ``ns`` gets for ``method url`` (curl inside the namespace; 0: no connection)."""
     out = subprocess.run(
         ["ip", "netns", "exec", ns, "curl", "-s", "-o", "/dev/null", "-m", "10", "-w", "%{http_code}",
-         "-X", method, "--path-as-is", url],
+         "-X", method, "--path-as-is", *(f"-H{h}" for h in headers), url],
         capture_output=True, text=True, check=False, timeout=30,
     )  # fmt: skip
     return int(out.stdout or 0)
@@ -101,7 +101,12 @@ def test_a_client_on_another_host_cannot_reach_the_operator_routes_through_the_b
     lb = balancer(haproxy_bin, tmp_path, eager_server, admin_rule)
     try:
         url = lb.url  # type: ignore[attr-defined]
-        assert from_client(client_netns, "GET", url + "/ready") == 200  # the client reaches vlguard
+        offset = len(eager_server.log_path.read_bytes())
+        assert from_client(client_netns, "GET", url + "/ready", "X-Forwarded-For: 6.6.6.6") == 200  # reaches vlguard
+        # The balancer drops the client's own X-Forwarded-For and sets the real address, which vlguard
+        # trusts from loopback: its log (and its per-client fault budget) see the client, not 127.0.0.1.
+        seen = eager_server.log_path.read_bytes()[offset:].decode(errors="replace")
+        assert f"{CLIENT_ADDR}:" in seen and "6.6.6.6" not in seen, seen[-2000:]
         assert from_client(client_netns, "GET", f"http://127.0.0.1:{eager_server.port}/ready") == 0  # not directly
         for method, path in (("GET", "/admin/quarantine"), ("DELETE", "/admin/quarantine"),
                              ("GET", "/%61dmin/quarantine"), ("GET", "/ADMIN/quarantine")):  # fmt: skip
