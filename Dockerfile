@@ -10,11 +10,11 @@ FROM ${VLLM_IMAGE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # 1. vlguard's own dependencies that the vLLM image lacks (fastapi, uvicorn, pydantic, prometheus-client
-#    and httpx come with vLLM). --no-deps everywhere: the image's vLLM, torch and CUDA libraries stay as
-#    built. dumb-init is PID 1: it forwards SIGTERM to vlguard alone (--single-child: by default it signals
+#    and httpx come with vLLM), each pinned to the version the tests run with (requirements/). --no-deps
+#    everywhere: the image's vLLM, torch and CUDA libraries stay as built. dumb-init is PID 1: it forwards SIGTERM to vlguard alone (--single-child: by default it signals
 #    the whole process group, so the engine core stopped mid-drain) and reaps orphaned children.
 RUN python3 -m pip install --no-cache-dir --no-deps \
-        "pydantic-settings==2.16.3" "python-dotenv>=1.0" "typing-inspection>=0.4" \
+        "pydantic-settings==2.16.3" "python-dotenv==1.2.4" "typing-inspection==0.4.5" \
         "sdnotify==0.3.2" "dumb-init==1.2.5.post1"
 
 # 2. vlguard itself (changes most often: last).

@@ -11,7 +11,9 @@
 #   (scripts/standin-base.sh); dockerd is started here when it is not running (overlay2, cgroupfs; log in
 #   /var/log/vlguard-dockerd.log);
 #   kubernetes-validate (PyPI, pinned, in its own venv $VLGUARD_CACHE/tools-venv): the rendered manifests
-#   checked against the Kubernetes schemas, offline.
+#   checked against the Kubernetes schemas, offline;
+#   checkov (PyPI, pinned, in its own venv $VLGUARD_CACHE/checkov-venv: it brings many dependencies): the
+#   rendered manifests checked against the "restricted" Pod Security Standard's rules, offline.
 # The apt part needs root (CI runs as root); otherwise it prints the apt-get line to run and fails.
 set -euo pipefail
 
@@ -21,6 +23,14 @@ if ! "$tools/bin/kubernetes-validate" --version 2>/dev/null | grep -qx "$KUBERNE
   echo "system-tools.sh: installing kubernetes-validate==$KUBERNETES_VALIDATE in $tools" >&2
   rm -rf "$tools" && python3 -m venv "$tools"
   "$tools/bin/python" -m pip install --no-input --progress-bar off -q "kubernetes-validate==$KUBERNETES_VALIDATE" >&2
+fi
+
+CHECKOV=3.3.30
+checkov="${VLGUARD_CACHE:-$HOME/.cache/vlguard}/checkov-venv"
+if ! "$checkov/bin/checkov" --version 2>/dev/null | grep -qx "$CHECKOV"; then
+  echo "system-tools.sh: installing checkov==$CHECKOV in $checkov" >&2
+  rm -rf "$checkov" && python3 -m venv "$checkov"
+  "$checkov/bin/python" -m pip install --no-input --progress-bar off -q "checkov==$CHECKOV" >&2
 fi
 
 need=()
