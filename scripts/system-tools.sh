@@ -17,21 +17,19 @@
 # The apt part needs root (CI runs as root); otherwise it prints the apt-get line to run and fails.
 set -euo pipefail
 
-KUBERNETES_VALIDATE=1.37.0
-tools="${VLGUARD_CACHE:-$HOME/.cache/vlguard}/tools-venv"
-if ! "$tools/bin/kubernetes-validate" --version 2>/dev/null | grep -qx "$KUBERNETES_VALIDATE"; then
-  echo "system-tools.sh: installing kubernetes-validate==$KUBERNETES_VALIDATE in $tools" >&2
-  rm -rf "$tools" && python3 -m venv "$tools"
-  "$tools/bin/python" -m pip install --no-input --progress-bar off -q "kubernetes-validate==$KUBERNETES_VALIDATE" >&2
-fi
-
-CHECKOV=3.3.30
-checkov="${VLGUARD_CACHE:-$HOME/.cache/vlguard}/checkov-venv"
-if ! "$checkov/bin/checkov" --version 2>/dev/null | grep -qx "$CHECKOV"; then
-  echo "system-tools.sh: installing checkov==$CHECKOV in $checkov" >&2
-  rm -rf "$checkov" && python3 -m venv "$checkov"
-  "$checkov/bin/python" -m pip install --no-input --progress-bar off -q "checkov==$CHECKOV" >&2
-fi
+cache="${VLGUARD_CACHE:-$HOME/.cache/vlguard}"
+# pinned_tool VENV COMMAND PACKAGE VERSION: PACKAGE==VERSION in its own venv $cache/VENV, unless COMMAND
+# there already reports VERSION.
+pinned_tool() {
+  local venv="$cache/$1" command=$2 package=$3 version=$4
+  if ! "$venv/bin/$command" --version 2>/dev/null | grep -qx "$version"; then
+    echo "system-tools.sh: installing $package==$version in $venv" >&2
+    rm -rf "$venv" && python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --no-input --progress-bar off -q "$package==$version" >&2
+  fi
+}
+pinned_tool tools-venv kubernetes-validate kubernetes-validate 1.37.0
+pinned_tool checkov-venv checkov checkov 3.3.30
 
 need=()
 command -v systemd-analyze >/dev/null || need+=(systemd)
