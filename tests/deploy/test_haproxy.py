@@ -9,7 +9,6 @@ import csv
 import http.server
 import io
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -29,14 +28,6 @@ from tests.servers import REPO, ServerProcess, engine_env, free_port, retire, vl
 
 CONFIG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 IMAGES = ("coffee.png", "astronaut.png", "chelsea.png")
-
-
-@pytest.fixture(scope="module")
-def haproxy_bin() -> str:
-    path = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
-    if path is None:
-        pytest.fail("haproxy not found: run scripts/system-tools.sh (make test does)")
-    return path
 
 
 def render(lb_port: int, stats_port: int, replicas: list[int]) -> str:

@@ -26,14 +26,6 @@ from tests.servers import ServerProcess, free_port
 HOST_ADDR, CLIENT_ADDR = "10.231.57.1", "10.231.57.2"
 
 
-@pytest.fixture(scope="module")
-def haproxy_bin() -> str:
-    path = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
-    if path is None:
-        pytest.fail("haproxy not found: run scripts/system-tools.sh (make test does)")
-    return path
-
-
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
