@@ -4,12 +4,14 @@ samples, SSE parsing, and request and image builders."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +284,15 @@ def field_images() -> dict[str, tuple[bytes, bytes, bytes]]:
     # a tRNS colour along into the PNG).
     return {name: (sent, shown, encoded(Image.fromarray(np.asarray(Image.open(io.BytesIO(sent)).convert("RGB")))))
             for name, (sent, shown) in rows.items()}  # fmt: skip
+
+
+@contextlib.contextmanager
+def http_host(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded HTTP server for ``handler`` on a free 127.0.0.1 port, as its base URL
+    (``http://127.0.0.1:PORT``); shut down on exit."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

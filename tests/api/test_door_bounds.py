@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import pytest
 
 from server.workload.images import data_uri, photo_uri
-from tests.helpers import chat_body, png
+from tests.helpers import chat_body, http_host, png
 from tests.inprocess import Api
 
 WAIT_S = 20
@@ -131,11 +131,8 @@ class _Drip(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def drip_host() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with http_host(_Drip) as url:
+        yield url
 
 
 async def test_remote_fetches_are_counted_first_and_cancelled_together(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from server.workload.images import photo_bytes, photo_uri
-from tests.helpers import chat_body
+from tests.helpers import chat_body, http_host
 from tests.inprocess import Api
 
 PNG = photo_bytes("astronaut.png")
@@ -54,12 +54,9 @@ class _Media(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def media_host() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Media)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    _Media.stop.set()
-    server.shutdown()
+    with http_host(_Media) as url:
+        yield url
+        _Media.stop.set()  # releases a request still sleeping in /slow.png
 
 
 @pytest.fixture

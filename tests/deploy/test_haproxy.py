@@ -23,7 +23,7 @@ import pytest
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
-from tests.helpers import engine_core, poll
+from tests.helpers import engine_core, http_host, poll
 from tests.servers import REPO, ServerProcess, engine_env, free_port, retire, vlguard_argv
 
 CONFIG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
@@ -137,19 +137,15 @@ class _Port:
 def test_a_request_that_killed_a_replica_is_not_sent_to_the_next(haproxy_bin: str, tmp_path: Path) -> None:
     """#34: the shipped retry policy, for real: a replica closes the connection without answering (as when
     the request killed it); HAProxy answers the client 502 and sends the request to no other replica."""
-    backends = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Backend) for _ in range(2)]
-    threads = [threading.Thread(target=b.serve_forever, daemon=True) for b in backends]
-    for thread in threads:
-        thread.start()
     _Backend.posts.clear()
-    lb = start_balancer(haproxy_bin, tmp_path, [_Port(b.server_address[1]) for b in backends])  # type: ignore[misc]
-    try:
-        resp = httpx.post(lb.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=30)
-        assert resp.status_code == 502 and len(_Backend.posts) == 1, (resp.status_code, _Backend.posts)
-    finally:
-        stop_balancer(lb)
-        for b in backends:
-            b.shutdown()
+    with http_host(_Backend) as first, http_host(_Backend) as second:
+        ports = [_Port(int(url.rsplit(":", 1)[1])) for url in (first, second)]
+        lb = start_balancer(haproxy_bin, tmp_path, ports)  # type: ignore[arg-type]
+        try:
+            resp = httpx.post(lb.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=30)
+            assert resp.status_code == 502 and len(_Backend.posts) == 1, (resp.status_code, _Backend.posts)
+        finally:
+            stop_balancer(lb)
 
 
 #: The replica's ``--guard-shutdown-delay``: above the shipped check's detection time (inter 2 s x fall 2).
