@@ -264,28 +264,43 @@ def _carried_enough(srv: ServerProcess, before: float, matrix: dict[str, dict[st
     assert carried >= 3 * len(matrix) // 2, f"only {carried:g} requests carried over: the fault missed the batch"
 
 
+def _interrupted(
+    srv: ServerProcess,
+    model: str,
+    matrix_and_reference: tuple[dict[str, dict[str, Any]], dict[tuple[int, str], Stream]],
+    fault: Callable[[], Awaitable[None]],
+) -> None:
+    """The staged batch with slow steps until ``fault`` (made at full speed), then every stream compared
+    with the uninterrupted run and most of the batch carried over."""
+    matrix, reference = matrix_and_reference
+    carried = carried_over(srv)
+    offset = len(srv.log_path.read_bytes())
+    slow = slow_steps_flag(srv)
+
+    async def at_full_speed() -> None:
+        slow.unlink(missing_ok=True)
+        await fault()
+
+    slow.touch()
+    try:
+        results = asyncio.run(staged_batch(srv, model, matrix, at_full_speed))
+    finally:
+        slow.unlink(missing_ok=True)
+    _compare(results, reference, srv.log_path.read_bytes()[offset:].decode(errors="replace"))
+    _carried_enough(srv, carried, matrix)
+
+
 def test_streams_carried_over_a_kill_answer_as_uninterrupted(
     eager_server: ServerProcess,
     model_name: str,
     matrix_and_reference: tuple[dict[str, dict[str, Any]], dict[tuple[int, str], Stream]],
 ) -> None:
-    matrix, reference = matrix_and_reference
     core = engine_core(eager_server)
-    before = carried_over(eager_server)
-    offset = len(eager_server.log_path.read_bytes())
-    slow = slow_steps_flag(eager_server)
 
     async def kill() -> None:
-        slow.unlink(missing_ok=True)
         core.send_signal(signal.SIGKILL)
 
-    slow.touch()
-    try:
-        results = asyncio.run(staged_batch(eager_server, model_name, matrix, kill))
-    finally:
-        slow.unlink(missing_ok=True)
-    _compare(results, reference, eager_server.log_path.read_bytes()[offset:].decode(errors="replace"))
-    _carried_enough(eager_server, before, matrix)
+    _interrupted(eager_server, model_name, matrix_and_reference, kill)
     poll(lambda: httpx.get(eager_server.url + "/ready").status_code == 200, 300, "ready again")
 
 
@@ -294,27 +309,16 @@ def test_streams_carried_over_a_soft_recovery_answer_as_uninterrupted(
     model_name: str,
     matrix_and_reference: tuple[dict[str, dict[str, Any]], dict[tuple[int, str], Stream]],
 ) -> None:
-    matrix, reference = matrix_and_reference
     before = labelled(eager_server, "vlguard_engine_recoveries_total", "kind")
-    carried = carried_over(eager_server)
-    offset = len(eager_server.log_path.read_bytes())
-    slow = slow_steps_flag(eager_server)
     poison = {"model": model_name, "max_tokens": 4,
               "messages": [{"role": "user", "content": f"Carry-over check{EAGER_ADMIT_WORD} now."}]}  # fmt: skip
     refusal: list[httpx.Response] = []
 
     async def soft_fault() -> None:
-        slow.unlink(missing_ok=True)
         async with httpx.AsyncClient(base_url=eager_server.url, timeout=WAIT_S) as client:
             refusal.append(await client.post("/v1/chat/completions", json=poison))
 
-    slow.touch()
-    try:
-        results = asyncio.run(staged_batch(eager_server, model_name, matrix, soft_fault))
-    finally:
-        slow.unlink(missing_ok=True)
+    _interrupted(eager_server, model_name, matrix_and_reference, soft_fault)
     assert refusal[0].status_code == 400 and "quarantined" in refusal[0].text
-    _compare(results, reference, eager_server.log_path.read_bytes()[offset:].decode(errors="replace"))
     after = labelled(eager_server, "vlguard_engine_recoveries_total", "kind")
     assert (after["soft"] - before["soft"], after.get("rebuild", 0) - before.get("rebuild", 0)) == (2, 0)
-    _carried_enough(eager_server, carried, matrix)
