@@ -26,6 +26,13 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(x) for x in text.split(","))
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("comma-separated counts, each at least 1")
+    return counts
+
+
 def _share(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -114,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=40.0,
         help="fault, poison: seconds of load per run (fault: with and without faults)",
+    )
+    cmp_.add_argument(
+        "--in-flight",
+        type=_counts,
+        help="kill, fault: the guard at scale instead: vlguard alone, for each of these load sizes (e.g. "
+        "8,64,256) a run of 2N pairs with N requests in flight, uninterrupted and with the fault; time from the "
+        "fault until every request completed, failed requests, API RSS peak (raise --max-num-seqs to match)",
     )
     cmp_.add_argument(
         "--emulate-padding",
@@ -220,6 +234,14 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
                 "  (one server pair: the intervals leave out the spread between server instances, a few "
                 "percent on a 2-core machine; --instances N measures it)"
             )
+    if floor := result.get("floor"):
+        fr, verdict = floor["ratios"], result["verdict"]
+        (t_lo, t_hi), (d_lo, d_hi) = floor["throughput_ratio_ci90"], floor["ttft_p50_diff_ci90_ms"]
+        print(
+            f"A/A floor, same rounds ({floor['name']}/{b}): throughput {fr['throughput']:.3f} (90 % {t_lo:.3f} to "
+            f"{t_hi:.3f}), TTFT p50 difference {fr['ttft_p50_diff_ms']:+.1f} ms (90 % {d_lo:+.1f} to {d_hi:+.1f})"
+        )
+        print(f"{a} against the floor: " + "; ".join(f"{k} {v}" for k, v in verdict.items()))
     for name, roles in result.get("cpu_ms_per_request", {}).items():
         print(f"{name} CPU per request: " + ", ".join(f"{role} {ms:.1f} ms" for role, ms in roles.items()))
     for name, phases in result.get("ttft_phases_ms", {}).items():
@@ -261,13 +283,18 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     if args.instances < 1 or (args.instances > 1 and args.scenario in ("kill", "fault", "poison")):
         print("vlguard bench compare: --instances takes 1 or more, and only 1 with kill or fault", file=sys.stderr)
         return 2
+    if args.in_flight and args.scenario in ("kill", "fault"):
+        return _scale_main(opts, args.scenario, args.in_flight, stem)
+    if args.in_flight:
+        print("vlguard bench compare: --in-flight goes with --scenario kill or fault", file=sys.stderr)
+        return 2
     if args.scenario == "fault":
         return _fault_main(opts, stem)
     if args.scenario == "poison":
         return _poison_main(opts, stem)
     if args.scenario == "front":
         return _front_main(opts, stem)
-    a, b = (s.name for s in compare.SCENARIOS[args.scenario])
+    a, b = (s.name for s in compare.SCENARIOS[args.scenario][:2])
     if args.scenario == "kill":
         result = compare.kill(opts)
         for name, s in result["systems"].items():
@@ -326,6 +353,17 @@ def _front_main(opts: compare.CompareOptions, stem: Path) -> int:
         "added_ms": result.added_ms("vlguard", "stock-a"), "aa_added_ms": result.added_ms("stock-b", "stock-a"),
     }  # fmt: skip
     print("wrote", _write_json(stem.with_suffix(".json"), payload))
+    return 0
+
+
+def _scale_main(opts: compare.CompareOptions, kind: str, sizes: tuple[int, ...], stem: Path) -> int:
+    from server.workload import scale
+
+    result = scale.scale(opts, kind, sizes)
+    for line in scale.summary_lines(result):
+        print(line)
+    result |= {"scenario": kind, "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload}
+    print("wrote", _write_json(stem.with_name(stem.name + "-scale.json"), result))
     return 0
 
 

@@ -2,7 +2,9 @@
 
 Scenarios (systems A / B; every ratio printed is A / B):
 
-- ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost).
+- ``overhead``: vlguard vs the stock vLLM OpenAI server (wrapper cost), with a second stock server run in
+  the same rounds: its figures against the first are the A/A floor of this very run, and the result
+  says whether vlguard's lie within it (``floor``, ``verdict``).
 - ``alignment``: vlguard with chunk alignment on vs off (deepstack patches as detected on both).
 - ``patches``: vlguard with the deepstack backports on vs off.
 - ``noise``: stock vs stock (an A/A run): how far the figures move between two identical systems on this
@@ -13,14 +15,14 @@ Scenarios (systems A / B; every ratio printed is A / B):
 - ``fault`` (:mod:`server.workload.faults`): a step fault every few seconds; vlguard with soft recovery,
   vlguard rebuilding, stock restarted.
 
-Throughput scenarios alternate rounds (A B, B A, ...). Each round sends the same fresh pairs to both
-systems (new images every round: no cache reuse across rounds) and the server not being measured is
-SIGSTOPped, so its idle engine and OpenMP threads take no cores from the one being measured. Besides the
-aggregate ratios, the median of per-round throughput ratios is printed: a round's two runs are adjacent in
-time, which cancels most of a noisy machine's drift. ``instances`` > 1 repeats the whole thing on fresh
-server pairs (both started at once; which is waited on and paused first is swapped each time): two
-identically built servers differ by several percent here for a whole run, a spread no number of rounds
-on one pair averages out, so the intervals are then taken over the pairs.
+Throughput scenarios alternate rounds (A B, B A, ...; with three systems A B C, C B A, ...). Each round
+sends the same fresh pairs to every system (new images every round: no cache reuse across rounds) and
+the servers not being measured are SIGSTOPped, so their idle engine and OpenMP threads take no cores from
+the one being measured. Besides the aggregate ratios, the median of per-round throughput ratios is printed:
+a round's runs are adjacent in time, which cancels most of a noisy machine's drift. ``instances`` > 1
+repeats the whole thing on fresh server sets (all started at once; the order they are waited on and paused
+in is reversed each time): two identically built servers differ by several percent here for a whole run,
+a spread no number of rounds on one set averages out, so the intervals are then taken over the sets.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class System:
     guard_args: tuple[str, ...] = ()
 
 
-SCENARIOS: dict[str, tuple[System, System]] = {
-    "overhead": (System("vlguard"), System("stock", stock=True)),
+SCENARIOS: dict[str, tuple[System, ...]] = {
+    # the second stock server is the A/A floor, measured in the same rounds (throughput: floor, verdict)
+    "overhead": (System("vlguard"), System("stock", stock=True), System("stock-b", stock=True)),
     "alignment": (
         System("aligned", guard_args=("--guard-alignment", "on")),
         System("unaligned", guard_args=("--guard-alignment", "off")),
@@ -145,8 +148,8 @@ def system_server(
 
 @contextmanager
 def _running(opts: CompareOptions, fresh: bool = True, reverse: bool = False) -> Iterator[dict[str, ServerProcess]]:
-    """Both systems started (concurrently), ready and paused; stopped on exit. ``reverse``: B is started,
-    waited on and paused first (they still boot at the same time).
+    """Every system of the scenario started (concurrently), ready and paused; stopped on exit.
+    ``reverse``: they are waited on and paused in reverse order (they still boot at the same time).
     vlguard is paused once its spare engine process is ready too (its imports would otherwise run inside
     the measured load). ``fresh``: as for :func:`system_server`."""
     systems = SCENARIOS[opts.scenario]
@@ -228,14 +231,18 @@ class _Tally:
 
 
 def _run_pair(
-    opts: CompareOptions, inst: int, tallies: dict[str, _Tally], round_ratios: list[float]
-) -> dict[str, float]:
-    """The alternating rounds on server pair number ``inst`` (started fresh, :func:`_running`), added to
-    ``tallies`` and ``round_ratios``. Returns the pair's own figures, A / B: throughput ratio, TTFT p50
-    difference (ms) and API CPU ratio (CPU seconds per request of the server process)."""
-    a, b = tallies
-    first_round, first_record = len(tallies[a].rounds), {n: len(t.records) for n, t in tallies.items()}
-    cpu: dict[str, dict[str, float]] = {a: {}, b: {}}
+    opts: CompareOptions, inst: int, tallies: dict[str, _Tally], round_ratios: dict[str, list[float]]
+) -> dict[str, dict[str, float]]:
+    """The rounds on server set number ``inst`` (started fresh, :func:`_running`), added to ``tallies`` and
+    ``round_ratios``. Each round runs every system once, in the scenario's order on even rounds and
+    reversed on odd ones. Returns, for each system compared with the reference (the scenario's second:
+    its first and, when the scenario has one, its A/A twin), the set's own figures against the
+    reference: throughput ratio, TTFT p50 difference (ms) and API CPU ratio (CPU seconds per request of
+    the server process)."""
+    names = list(tallies)
+    ref, compared = names[1], [n for n in names if n != names[1]]
+    first_round, first_record = len(tallies[ref].rounds), {n: len(t.records) for n, t in tallies.items()}
+    cpu: dict[str, dict[str, float]] = {n: {} for n in names}
     with _running(opts, fresh=inst == 0, reverse=inst % 2 == 1) as servers:
         before: dict[str, dict[str, float]] = {}
         for rnd in range(-opts.warmup, opts.rounds):
@@ -246,13 +253,14 @@ def _run_pair(
                     srv.pause()
             first_pair = (inst * (opts.warmup + opts.rounds) + rnd + opts.warmup) * opts.pairs
             rate: dict[str, float] = {}
-            for name in (a, b) if rnd % 2 == 0 else (b, a):
+            for name in names if rnd % 2 == 0 else names[::-1]:
                 res = _measure(servers[name], opts, first_pair, cpu[name] if rnd >= 0 else None)
                 rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
                 if rnd >= 0:
                     tallies[name].add(res, rate[name])
             if rnd >= 0:
-                round_ratios.append(rate[a] / rate[b] if rate[b] else math.nan)
+                for name in compared:
+                    round_ratios[name].append(rate[name] / rate[ref] if rate[ref] else math.nan)
         for name, srv in servers.items():
             srv.resume()
             total = tallies[name].counters
@@ -267,42 +275,63 @@ def _run_pair(
         p50[name] = statistics.median(ttfts) if ttfts else math.nan
         api[name] = cpu[name].get("api", math.nan) / max(1, len(tally.records) - first_record[name])
     return {
-        "throughput_ratio": tokens_per_s[a] / tokens_per_s[b],
-        "ttft_p50_diff_ms": 1000 * (p50[a] - p50[b]),
-        "api_cpu_ratio": api[a] / api[b] if api[b] else math.nan,
+        name: {
+            "throughput_ratio": tokens_per_s[name] / tokens_per_s[ref],
+            "ttft_p50_diff_ms": 1000 * (p50[name] - p50[ref]),
+            "api_cpu_ratio": api[name] / api[ref] if api[ref] else math.nan,
+        }
+        for name in compared
     }
 
 
+def _intervals(
+    name: str, ref: str, tallies: dict[str, _Tally], per_instance: list[dict[str, dict[str, float]]]
+) -> dict[str, tuple[float, float]]:
+    """90 % intervals of ``name`` against ``ref``: with one server set, rounds resampled (the spread
+    between server instances left out); with more, t intervals over the sets' own figures."""
+    if len(per_instance) > 1:
+        return _pair_intervals([inst[name] for inst in per_instance])
+    return {
+        "throughput_ratio_ci90": report.ratio_interval(tallies[name].rounds, tallies[ref].rounds),
+        "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(tallies[name].ttfts, tallies[ref].ttfts),
+    }
+
+
+def floor_verdict(value: float, floor: tuple[float, float], unit: str = "") -> str:
+    """Whether ``value`` lies inside the A/A interval ``floor`` (low, high): "within the floor", or
+    "outside it, by X" (the distance to the nearer bound, in the figure's ``unit``; ratios as %)."""
+    low, high = floor
+    if any(math.isnan(x) for x in (value, low, high)):
+        return "not resolved (no A/A figure)"
+    if low <= value <= high:
+        return "within the floor"
+    by = value - high if value > high else value - low
+    return f"outside it, by {by:+.1f}{unit}" if unit else f"outside it, by {100 * by:+.1f} %"
+
+
 def throughput(opts: CompareOptions) -> dict[str, Any]:
-    """Alternating rounds on both systems of a throughput scenario, on ``opts.instances`` server pairs one
-    after the other (:func:`_run_pair`); returns the result (records as
-    :class:`~server.workload.generator.Record`)."""
-    a, b = (s.name for s in SCENARIOS[opts.scenario])
-    tallies = {a: _Tally(), b: _Tally()}
-    round_ratios: list[float] = []
+    """Rounds on every system of a throughput scenario, on ``opts.instances`` server sets one after the
+    other (:func:`_run_pair`); returns the result (records as :class:`~server.workload.generator.Record`).
+    Where the scenario has an A/A twin of its reference (``overhead``: a second stock server), ``floor``
+    holds the twin's figures against the reference from the same rounds and ``verdict`` says whether the
+    first system's lie inside them."""
+    names = [s.name for s in SCENARIOS[opts.scenario]]
+    a, b = names[:2]
+    tallies = {n: _Tally() for n in names}
+    round_ratios: dict[str, list[float]] = {n: [] for n in names if n != b}
     per_instance = [_run_pair(opts, inst, tallies, round_ratios) for inst in range(opts.instances)]
-    # With one server pair: rounds resampled (the spread between pairs left out); with more: t intervals over
-    # the pairs' own figures (report.pair_interval).
-    intervals = (
-        _pair_intervals(per_instance)
-        if len(per_instance) > 1
-        else {
-            "throughput_ratio_ci90": report.ratio_interval(tallies[a].rounds, tallies[b].rounds),
-            "ttft_p50_diff_ci90_ms": report.p50_diff_interval_ms(tallies[a].ttfts, tallies[b].ttfts),
-        }
-    )
     records = {name: t.records for name, t in tallies.items()}
     deltas = {name: t.counters for name, t in tallies.items()}
     summaries = {name: report.summarize(t.records, t.wall_s) for name, t in tallies.items()}
-    return {
+    result: dict[str, Any] = {
         "summaries": summaries,
         "ratios": report.ratios(summaries[a], summaries[b]),
-        "round_throughput_ratios": round_ratios,
-        "median_round_throughput_ratio": statistics.median(round_ratios) if round_ratios else math.nan,
+        "round_throughput_ratios": round_ratios[a],
+        "median_round_throughput_ratio": statistics.median(round_ratios[a]) if round_ratios[a] else math.nan,
         # How far the headline figures can be trusted on this machine (90 % intervals, above).
-        **intervals,
-        # Each server pair's own figures: how far two pairs of the same systems differ on this machine.
-        "instances": per_instance,
+        **_intervals(a, b, tallies, per_instance),
+        # Each server set's own figures: how far two sets of the same systems differ on this machine.
+        "instances": [inst[a] for inst in per_instance],
         "counters": {n: {k: v for k, v in d.items() if not k.startswith(PHASE_SAMPLES)} for n, d in deltas.items()},
         # CPU milliseconds per request by process role: where a wrapper's cost shows even when the
         # machine's noise hides it in throughput (the API process runs image preprocessing and vlguard).
@@ -315,13 +344,38 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         # The streamed requests' TTFT phase by phase, stamped in both servers (report.trace_phases_ms).
         "ttft_trace_ms": {
             name: report.trace_phases_ms(records[name], phase_trace.read(trace_path(system, opts)))
-            for name, system in zip((a, b), SCENARIOS[opts.scenario], strict=True)
+            for name, system in zip((a, b), SCENARIOS[opts.scenario], strict=False)
             if opts.trace
         },
         # Requests each engine served in those rounds: the client's plus the server's own (probes).
-        "engine_requests": {n: deltas[n].get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in (a, b)},
+        "engine_requests": {n: deltas[n].get(report.TTFT_PHASES["vllm_ttft"] + "_count") for n in names},
         "records": records,
     }
+    if len(names) > 2:  # the A/A floor, measured in the same rounds
+        twin = names[2]
+        floor = {
+            "name": twin,
+            "ratios": report.ratios(summaries[twin], summaries[b]),
+            "median_round_throughput_ratio": statistics.median(round_ratios[twin]),
+            **_intervals(twin, b, tallies, per_instance),
+            "instances": [inst[twin] for inst in per_instance],
+        }
+        result["floor"] = floor
+        result["verdict"] = _verdicts(result, floor)
+    return result
+
+
+def _verdicts(result: dict[str, Any], floor: dict[str, Any]) -> dict[str, str]:
+    """The first system's throughput ratio, TTFT p50 difference and (with several server sets) API CPU
+    ratio against the A/A floor's intervals (:func:`floor_verdict`)."""
+    out = {
+        "throughput": floor_verdict(result["ratios"]["throughput"], floor["throughput_ratio_ci90"]),
+        "ttft_p50": floor_verdict(result["ratios"]["ttft_p50_diff_ms"], floor["ttft_p50_diff_ci90_ms"], " ms"),
+    }
+    if "api_cpu_ratio_ci90" in floor:
+        mean_api = statistics.fmean(i["api_cpu_ratio"] for i in result["instances"])
+        out["api_cpu"] = floor_verdict(mean_api, floor["api_cpu_ratio_ci90"])
+    return out
 
 
 async def restart_on_exit(srv: ServerProcess, system: System) -> None:

@@ -18,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import threading
 from typing import Any
 
 import httpx
-import psutil
 
 from server.workload import generator, report
 from server.workload.compare import CompareOptions, System, system_server
-from server.workload.servers import ServerProcess, metric_samples
+from server.workload.servers import ServerProcess, metric_samples, rss_peak
 
 #: The marker the fault plugin is armed with (``VLGUARD_TEST_POISON_ADMIT_TOKENS`` holds its token ids).
 MARKER = " Quokkatambourinemarker"
@@ -73,34 +71,21 @@ async def _poison_client(url: str, model: str, every_s: float, stop: asyncio.Eve
     return answers
 
 
-def _watch_rss(pid: int, stop: threading.Event, peak: list[int]) -> None:
-    proc = psutil.Process(pid)
-    while not stop.wait(0.25):
-        try:
-            peak[0] = max(peak[0], proc.memory_info().rss)
-        except psutil.Error:
-            return
-
-
 async def _run(srv: ServerProcess, opts: CompareOptions) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=30, headers={"Authorization": "Bearer innocent"}) as client:
         model = (await client.get(srv.url + "/v1/models")).json()["data"][0]["id"]
     before = metric_samples(srv.url, "vlguard_", by_label="kind")
     assert srv.proc is not None
-    peak, stop_rss = [0], threading.Event()
-    watcher = threading.Thread(target=_watch_rss, args=(srv.proc.pid, stop_rss, peak), daemon=True)
-    watcher.start()
     stop = asyncio.Event()
-    poisoner = asyncio.create_task(_poison_client(srv.url, model, opts.fault_every_s, stop))
-    try:
-        res = await generator.run(srv.url, generator.TwoPassPlan(opts.workload), duration_s=opts.fault_duration_s,
-                                  concurrency=opts.concurrency, model=model, api_key="innocent",
-                                  progress=opts.progress)  # fmt: skip
-    finally:
-        stop.set()
-        answers = await poisoner
-        stop_rss.set()
-        watcher.join()
+    with rss_peak(srv.proc.pid) as peak:
+        poisoner = asyncio.create_task(_poison_client(srv.url, model, opts.fault_every_s, stop))
+        try:
+            res = await generator.run(srv.url, generator.TwoPassPlan(opts.workload),
+                                      duration_s=opts.fault_duration_s, concurrency=opts.concurrency, model=model,
+                                      api_key="innocent", progress=opts.progress)  # fmt: skip
+        finally:
+            stop.set()
+            answers = await poisoner
     after = metric_samples(srv.url, "vlguard_", by_label="kind")
 
     def delta(name: str) -> float:

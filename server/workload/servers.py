@@ -14,7 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +58,31 @@ def metric_samples(url: str, *prefixes: str, by_label: str | None = None) -> dic
             key = s.name + (f"{{{s.labels[by_label]}}}" if by_label and by_label in s.labels else "")
             out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+@contextmanager
+def rss_peak(pid: int, every_s: float = 0.1) -> Iterator[list[int]]:
+    """Sample the resident memory of process ``pid`` every ``every_s`` seconds while the block runs;
+    yields a one-item list holding the peak seen so far (bytes), final once the block has left."""
+    peak, stop = [0], threading.Event()
+    proc = psutil.Process(pid)
+
+    def watch() -> None:
+        while True:
+            try:
+                peak[0] = max(peak[0], proc.memory_info().rss)
+            except psutil.Error:
+                return
+            if stop.wait(every_s):
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def vlguard_command(model: str | Path, *serve_args: str) -> list[str]:

@@ -172,12 +172,13 @@ def test_throughput_over_server_pairs_keeps_each_pairs_figures(monkeypatch: pyte
     @contextmanager
     def running(opts: compare.CompareOptions, fresh: bool = True, reverse: bool = False):  # type: ignore[no-untyped-def]
         started.append((fresh, reverse))
-        yield {"vlguard": FakeServer("vlguard"), "stock": FakeServer("stock")}
+        yield {"vlguard": FakeServer("vlguard"), "stock": FakeServer("stock"), "stock-b": FakeServer("stock-b")}
 
     def measure(srv: FakeServer, opts: compare.CompareOptions, first_pair: int, cpu: dict[str, float] | None = None):  # type: ignore[no-untyped-def]
         pair_no = len(started) - 1  # vlguard 1.1x stock's speed on the first pair, 0.9x on the second
-        guarded = srv.name == "vlguard"
+        guarded = srv.name == "vlguard"  # stock-b (the A/A twin): 1.01x, then 0.99x
         speed = (1.1 if pair_no == 0 else 0.9) if guarded else 1.0
+        speed = (1.01 if pair_no == 0 else 0.99) if srv.name == "stock-b" else speed
         recs = [Record(first_pair + i // 2, "primary", True, 0.0, 0.2, 0.110 if guarded else 0.100, True,
                        prompt_tokens=90, completion_tokens=10) for i in range(2 * opts.pairs)]  # fmt: skip
         if cpu is not None:  # API CPU: 3 ms a request on vlguard, 2 on stock
@@ -208,6 +209,23 @@ def test_throughput_over_server_pairs_keeps_each_pairs_figures(monkeypatch: pyte
     assert result["cpu_ms_per_request"]["vlguard"]["api"] == pytest.approx(3.0)
     assert result["summaries"]["stock"]["requests"] == 2 * 4 * 2 * 3
     assert result["counters"]["stock"]["vllm:iteration_tokens_total_count"] == 20.0  # 10 per pair, summed
+    # the A/A floor from the same rounds: stock-b against stock (TTFT and API CPU equal to stock's)
+    floor = result["floor"]
+    assert [p["throughput_ratio"] for p in floor["instances"]] == [pytest.approx(1.01), pytest.approx(0.99)]
+    assert floor["ttft_p50_diff_ci90_ms"] == (pytest.approx(0.0), pytest.approx(0.0))
+    assert result["verdict"]["ttft_p50"] == "outside it, by +10.0 ms"
+    assert result["verdict"]["api_cpu"] == "outside it, by +50.0 %"
+    order = [name for pair_no, name, first in sent if pair_no == 0 and first in (3, 6)]
+    assert order == ["vlguard", "stock", "stock-b", "stock-b", "stock", "vlguard"]  # reversed every other round
+
+
+def test_a_figure_is_judged_against_the_aa_interval() -> None:
+    from server.workload.compare import floor_verdict
+
+    assert floor_verdict(1.01, (0.97, 1.03)) == "within the floor"
+    assert floor_verdict(0.95, (0.97, 1.03)) == "outside it, by -2.0 %"
+    assert floor_verdict(12.0, (-4.0, 5.0), " ms") == "outside it, by +7.0 ms"
+    assert floor_verdict(1.0, (math.nan, math.nan)).startswith("not resolved")
 
 
 def test_ttft_phases_split_the_client_ttft_at_the_engine_client() -> None:
@@ -268,7 +286,8 @@ def test_the_overhead_scenarios_stock_side_runs_no_vlguard_plugin_but_the_tracer
     from server.workload.compare import SCENARIOS, CompareOptions, system_server
 
     opts = CompareOptions(model="m", scenario="overhead", out=tmp_path)
-    guarded, stock = (system_server(system, opts) for system in SCENARIOS["overhead"])
+    guarded, stock, twin = (system_server(system, opts) for system in SCENARIOS["overhead"])
+    assert twin.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and twin.log_path != stock.log_path  # the A/A floor's twin
     assert "vllm.entrypoints.openai.api_server" in " ".join(stock.argv)
     assert stock.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and ENV not in stock.env  # vLLM's own split cache
     # both sides traced, each to its own file; --no-trace: neither
