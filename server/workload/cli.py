@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("model", help="model path or name, as for `vllm serve`")
     cmp_.add_argument(
         "--scenario",
-        choices=[*sorted(compare.SCENARIOS), "fault", "poison", "front"],
+        choices=[*sorted(compare.SCENARIOS), "fault", "poison", "front", "engine"],
         default="overhead",
         help="overhead: vlguard vs stock; noise: stock vs stock (the machine's floor); "
         "kill: engine killed mid-run, vlguard vs stock; "
@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds, vlguard soft recovery vs rebuild vs stock restarted (test fault plugin); poison: one client "
         "sends a varied poison every --fault-every seconds beside the load, vlguard with and without the "
         "per-client fault budget (test fault plugin); front: the API process alone, stock's app vs vlguard's "
-        "and stock vs stock, over a null engine core: CPU per request (default overhead)",
+        "and stock vs stock, over a null engine core: CPU per request; engine: the engine core in-process, "
+        "vLLM's own vs with vlguard's engine-side hooks and stock vs stock, on one recorded step sequence: "
+        "cost per step (default overhead)",
     )
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
     cmp_.add_argument(
@@ -294,6 +296,8 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         return _poison_main(opts, stem)
     if args.scenario == "front":
         return _front_main(opts, stem)
+    if args.scenario == "engine":
+        return _engine_main(opts, stem)
     a, b = (s.name for s in compare.SCENARIOS[args.scenario][:2])
     if args.scenario == "kill":
         result = compare.kill(opts)
@@ -351,6 +355,24 @@ def _front_main(opts: compare.CompareOptions, stem: Path) -> int:
         "cpu_ms": result.cpu_ms, "failed": result.failed, "own_ms": result.own_ms,
         "ratio": result.ratio("vlguard", "stock-a"), "aa_ratio": result.ratio("stock-b", "stock-a"),
         "added_ms": result.added_ms("vlguard", "stock-a"), "aa_added_ms": result.added_ms("stock-b", "stock-a"),
+    }  # fmt: skip
+    print("wrote", _write_json(stem.with_suffix(".json"), payload))
+    return 0
+
+
+def _engine_main(opts: compare.CompareOptions, stem: Path) -> int:
+    from server.workload import engine_step
+
+    result = engine_step.run(opts.model, list(opts.serve_args), opts.out, opts.workload, rounds=opts.rounds,
+                             warmup=opts.warmup, pairs=opts.pairs, ready_timeout_s=opts.ready_timeout_s)  # fmt: skip
+    for line in engine_step.summary_lines(result):
+        print(line)
+    payload = {
+        "scenario": "engine", "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload,
+        "rounds": result.rounds,
+        "ratios": {f"{name}/stock-a": {what: result.ratio(name, "stock-a", i)
+                                       for i, what in engine_step.MEASURES.items()}
+                   for name in ("vlguard", "stock-b")},
     }  # fmt: skip
     print("wrote", _write_json(stem.with_suffix(".json"), payload))
     return 0

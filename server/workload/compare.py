@@ -15,14 +15,15 @@ Scenarios (systems A / B; every ratio printed is A / B):
 - ``fault`` (:mod:`server.workload.faults`): a step fault every few seconds; vlguard with soft recovery,
   vlguard rebuilding, stock restarted.
 
-Throughput scenarios alternate rounds (A B, B A, ...; with three systems A B C, C B A, ...). Each round
-sends the same fresh pairs to every system (new images every round: no cache reuse across rounds) and
-the servers not being measured are SIGSTOPped, so their idle engine and OpenMP threads take no cores from
-the one being measured. Besides the aggregate ratios, the median of per-round throughput ratios is printed:
-a round's runs are adjacent in time, which cancels most of a noisy machine's drift. ``instances`` > 1
-repeats the whole thing on fresh server sets (all started at once; the order they are waited on and paused
-in is reversed each time): two identically built servers differ by several percent here for a whole run,
-a spread no number of rounds on one set averages out, so the intervals are then taken over the sets.
+Throughput scenarios rotate the order every round (A B, B A, ...; with three systems A B C, B C A, C A B).
+Each round sends the same fresh pairs to every system (new images every round: no cache reuse across
+rounds) and the servers not being measured are SIGSTOPped, so their idle engine and OpenMP threads take
+no cores from the one being measured. Besides the aggregate ratios, the median of per-round throughput
+ratios is printed: a round's runs are adjacent in time, which cancels most of a noisy machine's drift.
+``instances`` > 1 repeats the whole thing on fresh server sets (all started at once; the order they are
+waited on and paused in is reversed each time): two identically built servers differ by several percent
+here for a whole run, a spread no number of rounds on one set averages out, so the intervals are then
+taken over the sets.
 """
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ def _run_pair(
     opts: CompareOptions, inst: int, tallies: dict[str, _Tally], round_ratios: dict[str, list[float]]
 ) -> dict[str, dict[str, float]]:
     """The rounds on server set number ``inst`` (started fresh, :func:`_running`), added to ``tallies`` and
-    ``round_ratios``. Each round runs every system once, in the scenario's order on even rounds and
-    reversed on odd ones. Returns, for each system compared with the reference (the scenario's second:
+    ``round_ratios``. Each round runs every system once, the order rotated by one each round (A B, B A;
+    A B C, B C A, C A B): a system's place in the round, which moves its figures by a few percent here,
+    is the same for all over whole cycles. Returns, for each system compared with the reference (the scenario's second:
     its first and, when the scenario has one, its A/A twin), the set's own figures against the
     reference: throughput ratio, TTFT p50 difference (ms) and API CPU ratio (CPU seconds per request of
     the server process)."""
@@ -253,7 +255,8 @@ def _run_pair(
                     srv.pause()
             first_pair = (inst * (opts.warmup + opts.rounds) + rnd + opts.warmup) * opts.pairs
             rate: dict[str, float] = {}
-            for name in names if rnd % 2 == 0 else names[::-1]:
+            shift = rnd % len(names)  # every system in every position equally often
+            for name in names[shift:] + names[:shift]:
                 res = _measure(servers[name], opts, first_pair, cpu[name] if rnd >= 0 else None)
                 rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
                 if rnd >= 0:

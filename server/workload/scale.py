@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import psutil
 
 from server.workload import faults, generator, report
 from server.workload.compare import CompareOptions, System, keeps_spare, spare_ready, system_server
@@ -44,6 +45,7 @@ class ScaleRun:
     in_flight_at_fault: int = 0
     drain_s: float | None = None  # from the fault point until the last load request completed
     summary: dict[str, Any] = field(default_factory=dict)
+    api_rss_start_mb: float = 0.0  # before the run: the processor cache grows over the runs (fresh images)
     api_rss_peak_mb: float = 0.0
     recoveries: dict[str, float] = field(default_factory=dict)
     side_request: int | None = None  # the marker (or harmless) request's HTTP status; 0: no answer
@@ -83,6 +85,7 @@ async def _run(srv: ServerProcess, opts: CompareOptions, kind: str, n: int, firs
 
     before = metric_samples(srv.url, *RECOVERY_COUNTERS, by_label="kind")
     assert srv.proc is not None
+    run.api_rss_start_mb = psutil.Process(srv.proc.pid).memory_info().rss / 2**20
     with rss_peak(srv.proc.pid) as peak:
         res = await generator.run(srv.url, plan, pairs=2 * n, first_pair=first_pair, concurrency=n, model=model,
                                   progress=opts.progress, on_record=on_record)  # fmt: skip
@@ -135,16 +138,17 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     lines = [
         f"{result['kind']} at scale: seconds from the fault until every request completed",
         "| in flight (at fault) | uninterrupted | faulted | added | failed: non-streaming / streaming "
-        "| API RSS peak MiB: uninterrupted / faulted | recoveries |",
+        "| API RSS MiB at start -> peak: uninterrupted; faulted | recoveries |",
         "|---|---|---|---|---|---|---|",
     ]
     for n, runs in result["sizes"].items():
         u, f = runs["uninterrupted"], runs["faulted"]
         added = f.drain_s - u.drain_s if f.drain_s is not None and u.drain_s is not None else float("nan")
-        rec = ", ".join(f"{k} {v:g}" for k, v in sorted(f.recoveries.items())) or "none"
+        rec = ", ".join(f"{k.removeprefix('vlguard_engine_')} {v:g}" for k, v in sorted(f.recoveries.items()))
         lines.append(
             f"| {n} ({f.in_flight_at_fault}) | {u.drain_s or float('nan'):.1f} | {f.drain_s or float('nan'):.1f} "
             f"| {added:+.1f} | {f.summary['failed_non_streaming']} / {f.summary['failed_streaming']} of "
-            f"{f.summary['requests']} | {u.api_rss_peak_mb:.0f} / {f.api_rss_peak_mb:.0f} | {rec} |"
+            f"{f.summary['requests']} | {u.api_rss_start_mb:.0f} -> {u.api_rss_peak_mb:.0f}; "
+            f"{f.api_rss_start_mb:.0f} -> {f.api_rss_peak_mb:.0f} | {rec or 'none'} |"
         )
     return lines

@@ -216,7 +216,7 @@ def test_throughput_over_server_pairs_keeps_each_pairs_figures(monkeypatch: pyte
     assert result["verdict"]["ttft_p50"] == "outside it, by +10.0 ms"
     assert result["verdict"]["api_cpu"] == "outside it, by +50.0 %"
     order = [name for pair_no, name, first in sent if pair_no == 0 and first in (3, 6)]
-    assert order == ["vlguard", "stock", "stock-b", "stock-b", "stock", "vlguard"]  # reversed every other round
+    assert order == ["vlguard", "stock", "stock-b", "stock", "stock-b", "vlguard"]  # rotated every round
 
 
 def test_a_figure_is_judged_against_the_aa_interval() -> None:
@@ -307,3 +307,34 @@ def test_front_ratio_and_added_cpu_come_from_paired_rounds() -> None:
     assert abs(ratio - 1.1) < 1e-9 and abs(low - 1.1) < 1e-9 and abs(high - 1.1) < 1e-9  # no spread: exact
     added, (dlow, dhigh) = result.added_ms("vlguard", "stock-a")
     assert abs(added - 4 / 3) < 1e-9 and dlow < added < dhigh
+
+
+def test_engine_step_cost_is_per_step_and_paired_by_round(plan: TwoPassPlan) -> None:
+    from server.workload.engine_step import EngineStepResult, _hf_messages
+
+    # the two-pass messages as chat-template messages: one image placeholder per image part
+    rescue, images = _hf_messages(plan.pair(0).rescue)
+    assert images == 1 and rescue[0]["content"][-1] == {"type": "image"}
+    # (steps, CPU s, thread CPU s, wall s) per round: vlguard 2 % more CPU per step than stock-a in every round
+    result = EngineStepResult(
+        {
+            "stock-a": [(100, 1.0, 0.5, 2.0), (120, 1.3, 0.6, 2.5)],
+            "vlguard": [(100, 1.02, 0.5, 2.0), (120, 1.326, 0.6, 2.5)],
+            "stock-b": [(100, 1.0, 0.5, 2.0), (120, 1.3, 0.6, 2.5)],
+        }
+    )
+    assert result.per_step_ms("stock-a", 1) == pytest.approx(1000 * 2.3 / 220)
+    ratio, (low, high) = result.ratio("vlguard", "stock-a")
+    assert ratio == pytest.approx(1.02) and low == pytest.approx(1.02) and high == pytest.approx(1.02)
+    assert result.ratio("stock-b", "stock-a", 3)[0] == pytest.approx(1.0)
+
+
+def test_scale_runs_report_the_drain_after_the_fault_point() -> None:
+    from server.workload.scale import ScaleRun, summary_lines
+
+    def run(drain: float, failed: int) -> ScaleRun:
+        summary = {"failed_non_streaming": failed, "failed_streaming": 0, "requests": 32}
+        return ScaleRun(8, 1.0, 8, drain, summary, 1000.0, 1100.0, {"vlguard_engine_restarts_total": 1.0})
+
+    lines = summary_lines({"kind": "kill", "sizes": {8: {"uninterrupted": run(1.0, 0), "faulted": run(7.5, 1)}}})
+    assert lines[-1] == "| 8 (8) | 1.0 | 7.5 | +6.5 | 1 / 0 of 32 | 1000 -> 1100; 1000 -> 1100 | restarts_total 1 |"
