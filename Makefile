@@ -12,7 +12,8 @@ WITH_MODEL = PY=$$(scripts/venv.sh $(VLLM)) && model="$(MODEL)" && model="$${mod
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 # full: every test. lane: the focused suite each engine lane runs (tests marked `lane` but not `full_only`;
-# every unit and in-process API test is marked `lane`).
+# every unit and in-process API test is marked `lane`). front: the unit and in-process API tests alone (no
+# engine), for a front lane, whose vLLM has no CPU build (0.34.0).
 SUITE ?= full
 # LINT=no skips lint in `make test` (CI lints once, on the default lane).
 LINT ?= yes
@@ -51,7 +52,8 @@ lint:  ## ruff (lint + format) and mypy
 	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests && \
 	  $$PY -m ruff format --check server tests && $$PY -m mypy --cache-dir "$(VLGUARD_CACHE)/mypy-$(VLLM)"
 
-test: $(if $(filter no,$(LINT)),,lint) tools  ## lint, then the test suite (SUITE=full|lane) on the engine lane VLLM (0.20.0, 0.22.1, 0.32.0)
-	@case "$(SUITE)" in full) marker= ;; lane) marker="lane and not full_only" ;; \
-	  *) echo "SUITE must be full or lane, not '$(SUITE)'" >&2; exit 2 ;; esac; \
-	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $${marker:+-m "$$marker"} $(PYTEST_ARGS)
+test: $(if $(filter no,$(LINT)),,lint) tools  ## lint, then the test suite (SUITE=full|lane|front) on the lane VLLM (0.20.0, 0.22.1, 0.32.0; front: 0.34.0)
+	@paths=; case "$(SUITE)" in full) marker= ;; lane) marker="lane and not full_only" ;; \
+	  front) marker="lane and not full_only"; paths="tests/unit tests/api" ;; \
+	  *) echo "SUITE must be full, lane or front, not '$(SUITE)'" >&2; exit 2 ;; esac; \
+	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $${marker:+-m "$$marker"} $(PYTEST_ARGS) $$paths

@@ -7,6 +7,11 @@
 # any pip error stops the build (set -e) and leaves nothing half-built behind.
 #
 # Usage: scripts/venv.sh [LANE]    (LANE defaults to 0.20.0; see requirements/vllm-LANE-*.txt)
+#
+# A front lane (requirements/vllm-LANE-overlay names its base lane) has no CPU build of its vLLM: its
+# environment holds only that vLLM wheel (--no-deps, requirements/vllm-LANE-engine.txt) and sees the base
+# lane's environment behind it (torch, dependencies, tools, vlguard's editable installs) through a .pth
+# file, which also sets the overlay file's KEY=VALUE lines as defaults in every process it starts.
 set -euo pipefail
 
 lane=${1:-0.20.0}
@@ -14,6 +19,35 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 req="$root/requirements"
 py=${PYTHON:-python3}
 cache=${VLGUARD_CACHE:-$HOME/.cache/vlguard}
+overlay="$req/vllm-$lane-overlay"
+
+if [ -f "$overlay" ]; then
+  base_lane=$(grep -v '^#' "$overlay" | head -n 1)
+  [ -f "$req/vllm-$lane-engine.txt" ] || { echo "venv.sh: lane '$lane' lacks requirements/vllm-$lane-engine.txt" >&2; exit 2; }
+  base_py=$("$0" "$base_lane")  # builds or reuses the base lane, pointed at this clone
+  key=$( { echo "$base_py"; cat "$overlay" "$req/vllm-$lane-engine.txt"; } | sha256sum | cut -c1-12)
+  venv="$cache/venv-$lane-$key"
+  if [ ! -x "$venv/bin/python" ]; then
+    tmp="$venv.building.$$"
+    rm -rf "$tmp"
+    trap 'rm -rf "$tmp"' EXIT
+    echo "venv.sh: building $venv over lane $base_lane" >&2
+    "$py" -m venv --without-pip "$tmp"
+    site=$("$tmp/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    base_site=$("$base_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    defaults=$(grep -v '^#' "$overlay" | tail -n +2 | grep '=' \
+      | sed -E 's/^([A-Za-z_][A-Za-z0-9_]*)=(.*)$/os.environ.setdefault("\1", "\2");/' | tr -d '\n')
+    echo "import os, site; ${defaults} site.addsitedir(\"$base_site\")" > "$site/zz_vlguard_base_lane.pth"
+    "$base_py" -m pip install --no-input --progress-bar off --no-deps --target "$site" \
+      -r "$req/vllm-$lane-engine.txt" >&2
+    mv "$tmp" "$venv"
+    trap - EXIT
+    # the venv's paths name the temporary folder: fix them up after the rename
+    grep -rl "$tmp" "$venv/bin" "$venv/pyvenv.cfg" 2>/dev/null | xargs -r sed -i "s|$tmp|$venv|g"
+  fi
+  echo "$venv/bin/python"
+  exit 0
+fi
 
 for f in torch deps engine; do
   [ -f "$req/vllm-$lane-$f.txt" ] || { echo "venv.sh: no lane '$lane' (missing requirements/vllm-$lane-$f.txt)" >&2; exit 2; }

@@ -1,28 +1,29 @@
-"""Where the vLLM internals vlguard uses live, across the supported vLLM versions (0.20.0 to 0.32.x).
+"""Where the vLLM internals vlguard uses live, across the supported vLLM versions (0.20.0 to 0.34.x).
 
 vlguard imports a handful of names from vLLM's OpenAI front end that moved between versions. They are
 resolved here, newest location first, and nowhere else:
 
 - ``make_arg_parser``, ``validate_parsed_serve_args``: ``vllm.entrypoints.openai.cli_args`` (0.20 - 0.22),
-  ``vllm.entrypoints.launchers.cli_args`` (0.32);
+  ``vllm.entrypoints.launchers.cli_args`` (0.32), ``vllm.entrypoints.common.cli_args`` (0.34);
 - ``ErrorInfo``, ``ErrorResponse``: ``vllm.entrypoints.openai.engine.protocol`` (0.20 - 0.22),
-  ``vllm.entrypoints.serve.engine.protocol`` (0.32);
+  ``vllm.entrypoints.serve.engine.protocol`` (0.32 - 0.34);
 - ``create_error_response``: ``vllm.entrypoints.utils`` (0.20 - 0.22),
-  ``vllm.entrypoints.serve.exception_handling.error_response`` (0.32);
+  ``vllm.entrypoints.serve.exception_handling.error_response`` (0.32 - 0.34);
 - ``AuthenticationMiddleware``: ``vllm.entrypoints.openai.server_utils`` (0.20 - 0.22),
-  ``vllm.entrypoints.serve.middleware.authenticate`` (0.32);
-- ``init_app_state``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22; 0.32 keeps a deprecated
-  re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32).
+  ``vllm.entrypoints.serve.middleware.authenticate`` (0.32 - 0.34);
+- ``init_app_state``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22; 0.32 - 0.34 keep a deprecated
+  re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32 - 0.34).
 
 vLLM's choice of multimodal processor cache type is the method
 ``vllm.multimodal.registry.MultiModalRegistry._get_cache_type(self, vllm_config)`` in 0.20 - 0.22 and the
-module function ``vllm.multimodal.cache.factories._get_cache_type(vllm_config)`` in 0.32
+module function ``vllm.multimodal.cache.factories._get_cache_type(vllm_config)`` in 0.32 - 0.34
 (:func:`wrap_mm_cache_type`). The API-side processor cache is built by
 ``MultiModalRegistry.processor_cache_from_config(self, vllm_config)`` in 0.20 - 0.22 and by the module
 function the renderer imports, ``vllm.renderers.base.processor_cache_from_config(vllm_config)``, in 0.32
-(:func:`wrap_mm_processor_cache_factory`); vLLM's split cache's API half is
+to 0.34 (:func:`wrap_mm_processor_cache_factory`; 0.34 defines it in ``vllm.multimodal.cache.factories``,
+the renderer's own name is the one wrapped); vLLM's split cache's API half is
 ``vllm.multimodal.cache.MultiModalProcessorSenderCache`` in 0.20 - 0.22 and
-``vllm.multimodal.cache.LruKeyReplicatedSenderCache`` in 0.32 (:func:`lru_sender_cache`).
+``vllm.multimodal.cache.LruKeyReplicatedSenderCache`` in 0.32 - 0.34 (:func:`lru_sender_cache`).
 
 ``Scheduler.finish_requests`` returns ``(id, client index)`` pairs up to 0.22 and ``Request`` objects in
 0.32 (:func:`finished_requests`). Differences in behaviour rather than location are handled where they
@@ -41,8 +42,16 @@ from typing import Any
 
 #: name -> modules that may define it, newest vLLM first.
 MOVED: dict[str, tuple[str, ...]] = {
-    "make_arg_parser": ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
-    "validate_parsed_serve_args": ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+    "make_arg_parser": (
+        "vllm.entrypoints.common.cli_args",
+        "vllm.entrypoints.launchers.cli_args",
+        "vllm.entrypoints.openai.cli_args",
+    ),
+    "validate_parsed_serve_args": (
+        "vllm.entrypoints.common.cli_args",
+        "vllm.entrypoints.launchers.cli_args",
+        "vllm.entrypoints.openai.cli_args",
+    ),
     "ErrorInfo": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.engine.protocol"),
     "ErrorResponse": ("vllm.entrypoints.serve.engine.protocol", "vllm.entrypoints.openai.engine.protocol"),
     "create_error_response": (

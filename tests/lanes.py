@@ -10,7 +10,13 @@ lane     padded read raises (ValueError)      empty buffer returns None (compile
 0.20.0   yes                                 yes
 0.22.1   no                                  yes
 0.32.0   no                                  no
+0.34.0   no                                  no (front lane: probed, no engine run)
 =======  ==================================  ======================================
+
+Besides the deepstack defects: with ``--disable-chunked-mm-input``, vLLM's scheduler up to 0.32.0 still
+cuts an image whose placeholders start exactly at a chunk's first token when the step's budget is short
+(vlguard's aligned scheduler keeps it whole); 0.34.0 schedules nothing for such a request until the whole
+item fits (``Scheduler._try_schedule_encoder_inputs``: "the chunk starts on or inside the item").
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ EXPECTED_PATCHES: dict[str, list[str]] = {
     "0.20.0": sorted([EMPTY_BUFFER, PADDED_READ]),
     "0.22.1": [EMPTY_BUFFER],
     "0.32.0": [],
+    "0.34.0": [],
 }
+
+#: vLLM version -> whether its scheduler cuts an image starting a chunk under --disable-chunked-mm-input.
+SPLITS_IMAGE_AT_CHUNK_START: dict[str, bool] = {"0.20.0": True, "0.22.1": True, "0.32.0": True, "0.34.0": False}
 
 VLLM_VERSION: str = vllm.__version__
 

@@ -17,13 +17,21 @@ from server import compat
 from tests.lanes import VLLM_VERSION
 
 #: vLLM version -> whether the OpenAI front end has moved to its 0.32 layout.
-NEW_LAYOUT = {"0.20.0": False, "0.22.1": False, "0.32.0": True}
+NEW_LAYOUT = {"0.20.0": False, "0.22.1": False, "0.32.0": True, "0.34.0": True}
+#: names that moved again in 0.34 (0.32 has them at their second location)
+MOVED_IN_034 = {"make_arg_parser", "validate_parsed_serve_args"}
 
 
 @pytest.mark.parametrize("name", sorted(compat.MOVED))
 def test_each_moved_name_comes_from_the_lanes_location(name: str) -> None:
-    newest, oldest = compat.MOVED[name][0], compat.MOVED[name][-1]
-    assert compat.source_of(name) == (newest if NEW_LAYOUT[VLLM_VERSION] else oldest)
+    locations = compat.MOVED[name]
+    if not NEW_LAYOUT[VLLM_VERSION]:
+        expected = locations[-1]
+    elif name in MOVED_IN_034 and VLLM_VERSION == "0.32.0":
+        expected = locations[1]
+    else:
+        expected = locations[0]
+    assert compat.source_of(name) == expected
     assert compat.vllm_symbol(name) is getattr(sys.modules[compat.source_of(name)], name)
 
 
