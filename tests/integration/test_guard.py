@@ -23,7 +23,7 @@ from openai import OpenAI
 
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
-from tests.conftest import token_ids
+from tests.conftest import slow_steps_flag, token_ids
 from tests.helpers import assert_session_ends, engine_core, gone, labelled, metric, poll, process_name, sse_tokens
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
@@ -140,18 +140,24 @@ def test_a_long_non_streaming_request_is_not_a_hang(guarded: ServerProcess, mode
     # A non-streaming request yields nothing in the API process until it ends; the hang clock must follow
     # the engine core's steps, not request output (before: killed as a hang after --guard-hang-timeout 10).
     deaths = metric(guarded, "vlguard_engine_deaths_total")
-    started = time.monotonic()
-    resp = client_for(guarded).chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "Write the full site safety manual."}],
-        max_tokens=4000,  # the model's length limit (4096) is close: the longest run one request can make
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-    elapsed = time.monotonic() - started
-    assert resp.usage is not None and resp.usage.completion_tokens == 4000
-    # Silent for longer than the hang timeout plus one watchdog interval (10 + 0.5 s), or it shows nothing
-    # (13 s on one CI machine, 18 s for 3500 tokens on a slower one).
+    # Each step slowed by 25 ms (the fault plugin's flag): 480 tokens take at least 12 s on any machine
+    # (4000 unslowed tokens took 13-18 s on earlier CI machines and 9.4 s on a faster one).
+    flag = slow_steps_flag(guarded)
+    flag.touch()
+    try:
+        started = time.monotonic()
+        resp = client_for(guarded).chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "Write the full site safety manual."}],
+            max_tokens=480,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        flag.unlink()
+    assert resp.usage is not None and resp.usage.completion_tokens == 480
+    # Silent for longer than the hang timeout plus one watchdog interval (10 + 0.5 s), or it shows nothing.
     assert elapsed > 10.5, f"took {elapsed:.1f} s: not longer than the hang timeout, the test shows nothing"
     assert metric(guarded, "vlguard_engine_deaths_total") == deaths
 
