@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM's own vs with vlguard's engine-side hooks and stock vs stock, on one recorded step sequence: "
         "cost per step (default overhead)",
     )
-    cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, alternating order (default 6)")
+    cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, the order rotated each round (default 6)")
     cmp_.add_argument(
         "--instances",
         type=int,
