@@ -160,9 +160,7 @@ def _running(opts: CompareOptions, fresh: bool = True, reverse: bool = False) ->
         for srv in order:
             srv.start()
         for srv in order:
-            srv.wait_ready(opts.ready_timeout_s)
-            if srv.ready_path == "/ready" and keeps_spare(srv):  # vlguard
-                spare_ready(srv, opts.ready_timeout_s)
+            wait_serving(srv, opts.ready_timeout_s)
             srv.pause()
         yield servers
     finally:
@@ -396,6 +394,14 @@ def keeps_spare(srv: ServerProcess) -> bool:
     if "--guard-spare" in srv.argv[:-1]:
         return srv.argv[srv.argv.index("--guard-spare") + 1] != "off"
     return srv.env.get("VLGUARD_SPARE", "on") != "off"
+
+
+def wait_serving(srv: ServerProcess, timeout_s: float) -> None:
+    """``srv`` ready and, where it is vlguard keeping a spare engine process, that spare up too (as it is
+    hours after start-up): every measured run then starts from the same state."""
+    srv.wait_ready(timeout_s)
+    if srv.ready_path == "/ready" and keeps_spare(srv):  # vlguard
+        spare_ready(srv, timeout_s)
 
 
 def spare_ready(srv: ServerProcess, timeout_s: float) -> bool | None:

@@ -29,7 +29,7 @@ import httpx
 import psutil
 
 from server.workload import faults, generator, report
-from server.workload.compare import CompareOptions, System, keeps_spare, spare_ready, system_server
+from server.workload.compare import CompareOptions, System, system_server, wait_serving
 from server.workload.servers import ServerProcess, metric_samples, rss_peak
 
 #: The counters whose deltas over a run are reported (keyed by their ``kind`` label where they have one).
@@ -101,14 +101,6 @@ async def _run(srv: ServerProcess, opts: CompareOptions, kind: str, n: int, firs
     return run
 
 
-def _wait_recovered(srv: ServerProcess, opts: CompareOptions) -> None:
-    """Ready again, with the spare engine process up where the server keeps one (so every faulted run
-    starts from the same state)."""
-    srv.wait_ready(opts.ready_timeout_s)
-    if keeps_spare(srv):
-        spare_ready(srv, opts.ready_timeout_s)
-
-
 def scale(opts: CompareOptions, kind: str, sizes: tuple[int, ...]) -> dict[str, Any]:
     """Run the scale scenario (module docstring) for ``kind`` (``"kill"`` or ``"fault"``) at each load
     size in ``sizes``; returns per size the uninterrupted and the faulted :class:`ScaleRun`."""
@@ -120,13 +112,13 @@ def scale(opts: CompareOptions, kind: str, sizes: tuple[int, ...]) -> dict[str, 
     first_pair = 0
     try:
         srv.start()
-        _wait_recovered(srv, opts)
+        wait_serving(srv, opts.ready_timeout_s)
         for n in sizes:
             runs = {}
             for name, faulted in (("uninterrupted", False), ("faulted", True)):
                 runs[name] = asyncio.run(_run(srv, opts, kind, n, first_pair, faulted))
                 first_pair += 2 * n  # fresh pairs every run: no prefix-cache hits from an earlier one
-                _wait_recovered(srv, opts)
+                wait_serving(srv, opts.ready_timeout_s)
             results[n] = runs
     finally:
         srv.stop()
