@@ -253,8 +253,7 @@ def _run_pair(
                     srv.pause()
             first_pair = (inst * (opts.warmup + opts.rounds) + rnd + opts.warmup) * opts.pairs
             rate: dict[str, float] = {}
-            shift = rnd % len(names)  # every system in every position equally often
-            for name in names[shift:] + names[:shift]:
+            for name in report.rotation(names, rnd):
                 res = _measure(servers[name], opts, first_pair, cpu[name] if rnd >= 0 else None)
                 rate[name] = report.summarize(res.records, res.wall_s)["tokens_per_s"]
                 if rnd >= 0:

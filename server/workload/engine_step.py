@@ -14,10 +14,11 @@ executor, so scheduler, model runner and model share one process and nothing wai
 
 Every child gets the same recorded two-pass step sequence, round by round (fresh images each round): a
 round's primary requests added at once and stepped until all finished, then their rescue requests the
-same way (greedy, ``ignore_eos``, fixed output length). Rounds alternate the children's order and the idle
-children are SIGSTOPped. Each child times every engine-core step (``step_fn``: schedule, model execution,
-output update) in CPU time of its whole process (all threads, OpenMP workers spinning between steps
-included), CPU time of the thread that runs the engine core, and wall time. Printed: ms per step of each
+same way (greedy, ``ignore_eos``, fixed output length). Rounds rotate the children's order
+(:func:`report.rotation`) and the idle children are SIGSTOPped. Each child times every engine-core step
+(``step_fn``: schedule, model execution, output update) in CPU time of its whole process (all threads,
+OpenMP workers spinning between steps included), CPU time of the thread that runs the engine core, and
+wall time. Printed: ms per step of each
 system, the ratios vlguard / stock-a and stock-b / stock-a with 90 % bootstrap intervals over
 the rounds, and the steps each ran (alignment may split a step differently; on a CPU engine, which pads
 nothing, it does not). The processor's work (chat template, image preprocessing) is outside the timing.
@@ -224,7 +225,7 @@ def run(
             os.killpg(procs[name].pid, signal.SIGSTOP)
         for rnd in range(-warmup, rounds):
             ask = {"workload": config, "first_pair": (rnd + warmup) * pairs, "pairs": pairs}
-            for name in SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]:
+            for name in report.rotation(SYSTEMS, rnd):
                 proc = procs[name]
                 assert proc.stdin is not None
                 os.killpg(proc.pid, signal.SIGCONT)

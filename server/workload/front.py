@@ -226,8 +226,7 @@ def run(
         plan = generator.TwoPassPlan(workload)
         result = FrontResult({s: [] for s in SYSTEMS}, {s: 0 for s in SYSTEMS}, {s: [] for s in SYSTEMS})
         for r in range(warmup + rounds):
-            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
-            for system in order:
+            for system in report.rotation(SYSTEMS, r):
                 before = _process_cpu_s(procs[system].pid)
                 done = asyncio.run(
                     generator.run(
