@@ -73,7 +73,7 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
         allow_headers=args.allowed_headers,
     )
     if tokens := _api_keys(args):
-        from server.compat import vllm_symbol
+        from server.vllm_hooks.locations import vllm_symbol
 
         app.add_middleware(vllm_symbol("AuthenticationMiddleware"), tokens=tokens)
 
@@ -157,7 +157,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from vllm.utils.gc_utils import freeze_gc_heap
 
-        from server.compat import vllm_symbol
+        from server.vllm_hooks.locations import vllm_symbol
 
         init_app_state = vllm_symbol("init_app_state")
         notifier.status("loading engine")

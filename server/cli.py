@@ -51,7 +51,7 @@ def build_parser() -> FlexibleArgumentParser:
     """The ``vlguard`` parser: ``serve`` (vLLM's serve parser + guard flags) and ``tiny-model``."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     make_arg_parser = vllm_symbol("make_arg_parser")
 
@@ -99,7 +99,7 @@ def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettin
         SystemExit: unknown flag or bad value (argparse prints the usage).
         pydantic.ValidationError: a guard setting is invalid.
     """
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     validate_parsed_serve_args = vllm_symbol("validate_parsed_serve_args")
     args = build_parser().parse_args(argv)

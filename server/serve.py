@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import math
 import os
 import signal
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from server.alignment import MAX_CAPTURE_ENV, SCHEDULER_CLS
-from server.guard import parent_watch
+from server.alignment import SCHEDULER_CLS
+from server.engine import parent_watch
+from server.engine.protocol import STATE_DIR_ENV, ServeSettings, new_state_dir
 from server.settings import GuardSettings
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[
     - ``additional_config`` gains vlguard's compile-cache key when patches are on;
     - ``scheduler_cls`` is vlguard's aligned scheduler when alignment is on (unless the user gave one).
 
-    vLLM's multimodal processor cache is left as configured; :mod:`server.guard.replay_cache` (installed
+    vLLM's multimodal processor cache is left as configured; :mod:`server.vllm_hooks.processor_cache` (installed
     by :func:`run`) makes vLLM build it in the form replays survive.
     """
     overrides: dict[str, Any] = {}
@@ -78,7 +79,7 @@ def vllm_changes(args: argparse.Namespace, settings: GuardSettings) -> dict[str,
         changes["mm_processor_cache_type"] = (
             "lru (shm becomes lru), its API half kept with the images' data: the guard sends a repeated image "
             "as its hash only to an engine core that holds it, so replays reach any engine core with their "
-            "data; host memory up to twice --mm-processor-cache-gb (server/guard/replay_cache.py, ipc_cache.py)"
+            "data; host memory up to twice --mm-processor-cache-gb (server/vllm_hooks/processor_cache.py, ipc_cache.py)"
         )
     if settings.patches:
         changes["model"] = "deepstack backports where the installed vLLM has the defects (server/patches)"
@@ -194,10 +195,9 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
-    from server.guard import replay_cache
-    from server.guard.fatal import ENV as FATAL_ENV
     from server.guard.spare import SpareKeeper
     from server.guard.supervisor import EngineState, Supervisor, build_async_llm
+    from server.vllm_hooks import processor_cache as replay_cache
 
     _configure_logging()
     try:
@@ -205,17 +205,16 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s: %s", args.uds or f"{args.host or '0.0.0.0'}:{args.port}", exc)
         return EXIT_STARTUP_FAILED
-    # The patch plugin runs in every vLLM process; spawned engine processes inherit this. It must be set
-    # before vLLM loads its plugins (when the engine arguments are built below).
-    os.environ["VLGUARD_PATCHES"] = "on" if settings.patches else "off"
     allowed = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
     if allowed is not None:
         os.environ["VLLM_PLUGINS"] = allowed
-    if settings.alignment_max_capture_size:
-        os.environ[MAX_CAPTURE_ENV] = str(settings.alignment_max_capture_size)
+    # Every vLLM process reads these (the plugins; spawned engine processes inherit them): written before
+    # vLLM loads its plugins (when the engine arguments are built below).
+    serve_settings = ServeSettings(settings.patches, True, settings.alignment_max_capture_size or 0)
+    serve_settings.apply()
     # Replays need the processor cache's API half to keep the images' data: installed here, where it lives;
-    # the engine processes (the plugin, through this variable) keep vLLM's receiver cache, shm made lru.
-    os.environ[replay_cache.ENV] = "1"
+    # the engine processes (the plugin, told by ServeSettings.replay_cache) keep vLLM's receiver cache, shm
+    # made lru.
     try:
         logger.info("replay-safe processor cache: %s wrapped", replay_cache.install())
         if not replay_cache.plugin_installed():
@@ -223,15 +222,15 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     except ImportError as exc:
         logger.warning("processor cache off, so that replays stay safe: %s", exc)
         args.mm_processor_cache_gb = 0
-        os.environ.pop(replay_cache.ENV, None)  # the engine processes have nothing to install either
+        dataclasses.replace(serve_settings, replay_cache=False).apply()  # the engines have nothing to install
     set_ulimit()
 
     # Engine cores record their fatal errors below this (each engine in a directory of its own; the
     # supervisor removes it at shutdown). Set before vLLM loads its plugins here (building the engine
     # arguments does), so the recorder is installed in this process too: a forked engine core inherits it
     # without loading plugins again.
-    state_dir = tempfile.mkdtemp(prefix="vlguard-state-")
-    os.environ[FATAL_ENV] = state_dir
+    state_dir = new_state_dir()
+    os.environ[STATE_DIR_ENV] = state_dir
     parent_watch.enable_for_children()  # engine processes end when this process is gone, however it ends
     factory = functools.partial(build_async_llm, engine_args(args, settings))
     spares = SpareKeeper() if settings.spare else None

@@ -17,7 +17,7 @@
   images it received with their data): an image sent without data (``None``) that it does not hold
   finishes the request with ``ERROR`` and no token, as vLLM's receiver cache miss does;
 * with ``soft=True`` the poison is absorbed instead, as a real engine core with soft recovery does
-  (:mod:`server.guard.soft`): a ``soft-*.json`` record, and every request inside the fake ends with an
+  (:mod:`server.engine.soft`): a ``soft-*.json`` record, and every request inside the fake ends with an
   ``ERROR`` finish and no tokens; the engine lives on.
 
 Tokens are a pure function of the token ids so far (greedy and deterministic), so a stream resumed on a
@@ -317,3 +317,63 @@ class FakeEngineFactory:
     def current(self) -> FakeEngine:
         """The engine built last."""
         return self.engines[-1]
+
+
+class GuardHarness:
+    """A supervisor over fake engines (``factory``), with its engine client, a manual clock, the backoffs
+    it slept and the times it gave up: the one harness of the guard's unit tests. Start it with
+    ``await h.sup.start()``; shut it down with ``await h.sup.shutdown()``.
+
+    Arguments:
+        settings: :class:`GuardSettings` fields over the harness's defaults (no watchdog ticks, a 1 s
+            backoff, holds bounded by ``wait_s``).
+    """
+
+    def __init__(self, factory: FakeEngineFactory, wait_s: float = 10.0, **settings: Any) -> None:
+        from server.guard.engine_client import GuardedEngineClient
+        from server.guard.supervisor import Supervisor
+        from server.settings import GuardSettings
+        from tests.helpers import ManualClock
+
+        defaults: dict[str, Any] = {"watchdog_interval": 3600, "restart_backoff": 1.0, "hold_timeout": wait_s}
+        self.wait_s = wait_s
+        self.settings = GuardSettings(**{**defaults, **settings})
+        self.factory = factory
+        self.clock = ManualClock()
+        self.slept: list[float] = []
+        self.failed_calls = 0
+        self.sup = Supervisor(factory, self.settings, on_failed=self._on_failed, clock=self.clock, sleep=self._sleep)
+        self.client = GuardedEngineClient(self.sup)
+
+    def _on_failed(self) -> None:
+        self.failed_calls += 1
+
+    async def _sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    async def state(self, *states: Any) -> Any:
+        """Wait (at most ``wait_s``) until the supervisor's state is one of ``states``."""
+        return await asyncio.wait_for(self.sup.wait_for_state(*states), self.wait_s)
+
+    async def collect(
+        self,
+        prompt: list[int] | dict[str, Any],
+        max_tokens: int = 4,
+        stream: bool = False,
+        rid: str = "r",
+        no_error: bool = False,
+    ) -> list[int]:
+        """The token ids the engine client answers for ``prompt`` (token ids, or a whole prompt dict), greedy;
+        ``no_error``: fail on an ``error`` finish."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        if stream:
+            params.output_kind = RequestOutputKind.DELTA
+        tokens: list[int] = []
+        request = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        async for out in self.client.generate(request, params, rid):
+            assert not (no_error and out.outputs[0].finish_reason == "error"), rid
+            tokens = [*tokens, *out.outputs[0].token_ids] if stream else list(out.outputs[0].token_ids)
+        return tokens

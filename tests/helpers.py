@@ -25,6 +25,7 @@ from server.workload.servers import ServerProcess, metric_samples
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (include/linux/sched.h)
 
 __all__ = [
+    "ManualClock",
     "assert_session_ends",
     "chat_body",
     "engine_core",
@@ -35,6 +36,17 @@ __all__ = [
     "session_processes",
     "sse_tokens",
 ]
+
+
+class ManualClock:
+    """A monotonic clock that moves only when a test sets ``now`` (seconds): what the guard's injectable
+    ``clock`` parameters take in unit tests."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def poll(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2) -> Any:

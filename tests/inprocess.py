@@ -36,9 +36,9 @@ class EngineParts:
     def build(cls, model: Path) -> EngineParts:
         from vllm.usage.usage_lib import UsageContext
 
-        from server.compat import build_renderer_and_input_processor
-        from server.guard import replay_cache
         from server.serve import engine_args
+        from server.vllm_hooks import processor_cache as replay_cache
+        from server.vllm_hooks.locations import build_renderer_and_input_processor
 
         replay_cache.install()  # as vlguard serve does: the processor cache in its replay-safe form
         args, settings = serve_args(str(model))

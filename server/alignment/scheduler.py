@@ -19,7 +19,7 @@ whichever the engine's ``async_scheduling`` setting asks for (vLLM only picks it
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -27,9 +27,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from server.alignment import MAX_CAPTURE_ENV
 from server.alignment.capture import CaptureSizes, default_capture_sizes
 from server.alignment.plan import Chunk, Decision, decide
+from server.engine.protocol import ServeSettings
+from server.vllm_hooks import wrap
 
 logger = logging.getLogger("vllm.vlguard.alignment")  # engine-core process: use vLLM's handler
 
@@ -37,10 +38,10 @@ logger = logging.getLogger("vllm.vlguard.alignment")  # engine-core process: use
 def engine_capture_sizes(vllm_config: Any) -> CaptureSizes:
     """The capture sizes this engine pads steps to: ``compilation_config.cudagraph_capture_sizes`` when
     CUDA graphs are on, none when they are off (eager), or the default sizes up to
-    ``$VLGUARD_ALIGNMENT_MAX_CAPTURE_SIZE`` when that is set."""
+    ``ServeSettings.alignment_max_capture_size`` when that is set."""
     from vllm.config import CUDAGraphMode
 
-    override = int(os.environ.get(MAX_CAPTURE_ENV, "0") or 0)
+    override = ServeSettings.from_environ().alignment_max_capture_size
     if override > 0:
         return CaptureSizes(default_capture_sizes(override))
     compilation = vllm_config.compilation_config
@@ -109,16 +110,17 @@ class _AlignmentMixin:
         afterwards would leave a registered block that is not computed, which another request could hit.
         Cost: a request no longer hits blocks that another request fills in the same step.
         """
-        manager = self.kv_cache_manager
-        allocate = manager.allocate_slots
 
-        def allocate_slots(request: Request, *args: Any, delay_cache_blocks: bool = False, **kwargs: Any) -> Any:
-            blocks = allocate(request, *args, delay_cache_blocks=True, **kwargs)
-            if blocks is not None and not delay_cache_blocks:
-                self._cache_after_step[request.request_id] = request
-            return blocks
+        def delayed(allocate: Callable[..., Any]) -> Callable[..., Any]:
+            def allocate_slots(request: Request, *args: Any, delay_cache_blocks: bool = False, **kwargs: Any) -> Any:
+                blocks = allocate(request, *args, delay_cache_blocks=True, **kwargs)
+                if blocks is not None and not delay_cache_blocks:
+                    self._cache_after_step[request.request_id] = request
+                return blocks
 
-        manager.allocate_slots = allocate_slots
+            return allocate_slots
+
+        wrap(self.kv_cache_manager, "allocate_slots", delayed, "KVCacheManager.allocate_slots", once=False)
 
     def align(self, output: SchedulerOutput) -> Decision:
         """Apply :func:`~server.alignment.plan.decide` to ``output`` in place (before computed-token counts

@@ -30,7 +30,7 @@ def error_response(
     status: int, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     """An OpenAI-envelope JSON error response with the given HTTP status."""
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     ErrorInfo, ErrorResponse = vllm_symbol("ErrorInfo"), vllm_symbol("ErrorResponse")
     body = ErrorResponse(error=ErrorInfo(message=message, type=HTTPStatus(status).phrase, param=param, code=status))
@@ -120,7 +120,7 @@ async def _on_engine_dead(_: Request, exc: Exception) -> JSONResponse:
 async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     # vLLM's own classification: VLLMValidationError/ValueError/TypeError -> 400 (bad input that the
     # serving layer let through, e.g. max_tokens < 1), VLLMNotFoundError -> 404, others -> 500.
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     err = vllm_symbol("create_error_response")(exc)
     if err.error.code >= 500:

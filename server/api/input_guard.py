@@ -57,9 +57,9 @@ from server.api.media import (
 )
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
-from server.compat import upstream_image_rules
 from server.metrics import definitions as m
 from server.settings import GuardSettings
+from server.vllm_hooks.locations import upstream_image_rules
 
 #: Routes whose bodies are checked: generation, and ``/tokenize`` (it runs the image processor in this
 #: process, so its media and ``mm_processor_kwargs`` need the same checks).

@@ -87,7 +87,8 @@ def normalize_image(data: bytes, skip: frozenset[str] = frozenset()) -> bytes | 
 
     Arguments:
         data: an encoded image (any format Pillow reads) that already passed the door's checks.
-        skip: rules not to apply (the installed vLLM applies them: ``server.compat.upstream_image_rules``).
+        skip: rules not to apply (the installed vLLM applies them:
+            ``server.vllm_hooks.locations.upstream_image_rules``).
 
     Returns:
         PNG bytes when a rule applied, else ``None`` (send ``data`` on unchanged).

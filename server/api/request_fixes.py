@@ -10,19 +10,25 @@ completions, "Defaults to 16"). Backport: the same, applied to the parsed reques
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
+
+from server.vllm_hooks import async_llm
 
 
 def install_completion_fixes(serving: Any) -> None:
-    """Wrap ``render_completion_request`` of vLLM's ``OpenAIServingCompletion`` instance ``serving`` so a
-    ``max_tokens: null`` request is rendered with the field's default instead (see the module docstring).
-    A no-op on vLLM versions whose request model already does it (the null never reaches the wrapper)."""
-    render = serving.render_completion_request
+    """Wrap ``render_completion_request`` of vLLM's ``OpenAIServingCompletion`` instance ``serving``
+    (:func:`server.vllm_hooks.async_llm.wrap_completion_rendering`) so a ``max_tokens: null`` request is
+    rendered with the field's default instead (see the module docstring). A no-op on vLLM versions whose
+    request model already does it (the null never reaches the wrapper)."""
 
-    @functools.wraps(render)
-    async def render_completion_request(request: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.max_tokens is None:
-            request.max_tokens = type(request).model_fields["max_tokens"].default
-        return await render(request, *args, **kwargs)
+    def fixed(render: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(render)
+        async def render_completion_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if request.max_tokens is None:
+                request.max_tokens = type(request).model_fields["max_tokens"].default
+            return await render(request, *args, **kwargs)
 
-    serving.render_completion_request = render_completion_request
+        return render_completion_request
+
+    async_llm.wrap_completion_rendering(serving, fixed)

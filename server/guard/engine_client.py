@@ -13,7 +13,7 @@ current. When the engine dies under a request:
   presence penalties, a seed, stop strings: :mod:`server.guard.rerun`) is **re-run** from its start
   instead; what follows the tokens already sent is handed on once the re-run has produced exactly them,
   else the stream ends with an error event;
-* a request that a soft recovery cut (:mod:`server.guard.soft`: the engine finished it with ``ERROR``
+* a request that a soft recovery cut (:mod:`server.engine.soft`: the engine finished it with ``ERROR``
   and recorded why) is carried over the same way, onto the same engine; so is one whose output
   processing raised in this process (:mod:`server.guard.output_faults`), charged to it alone;
 * a request with a strike (it was in the failing step of an earlier fault) runs on probation, isolated

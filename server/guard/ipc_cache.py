@@ -4,7 +4,7 @@ vLLM's split processor cache strips a repeated image from the request when it is
 that the engine core that will run it holds the data. The guard may send a request to another engine
 core (a replay after a rebuild), and its own waits (hold, probation) can reorder requests between
 rendering and sending. So vlguard renders with vLLM's
-``processor_only`` cache (the rendered prompt always carries the data; :mod:`server.guard.replay_cache`)
+``processor_only`` cache (the rendered prompt always carries the data; :mod:`server.vllm_hooks.processor_cache`)
 and strips here, as the request is sent to one engine core, against a shadow of *that* engine core's
 receiver cache: vLLM's own API half of the split cache (``lru`` sender), one per engine core (a soft
 recovery keeps the engine core's cache, and with it the shadow).
@@ -30,7 +30,7 @@ class EngineCacheShadow:
     """The receiver cache of one engine core, as seen from the API process.
 
     Arguments:
-        sender: vLLM's API half of the split cache (:func:`server.compat.lru_sender_cache`), sized as the
+        sender: vLLM's API half of the split cache (:func:`server.vllm_hooks.locations.lru_sender_cache`), sized as the
             engine core's receiver (``--mm-processor-cache-gb``).
     """
 
@@ -86,8 +86,8 @@ def shadow_for(engine: Any) -> EngineCacheShadow | None:
     """A shadow for a newly built ``engine`` (an ``AsyncLLM``), or None where its engine core keeps no
     receiver cache (processor cache off, several API processes, or the split cache not replaced here:
     then nothing is stripped and every request is sent as rendered)."""
-    from server.compat import lru_sender_cache
-    from server.guard import replay_cache
+    from server.vllm_hooks import processor_cache as replay_cache
+    from server.vllm_hooks.locations import lru_sender_cache
 
     config = getattr(engine, "model_config", None)
     if not replay_cache.engine_keeps_cache() or config is None:

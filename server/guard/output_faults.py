@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from server.guard.fatal import innermost_frames
+from server.engine.fatal import innermost_frames
+from server.vllm_hooks import async_llm
 
 logger = logging.getLogger(__name__)
 
@@ -60,31 +62,34 @@ def confine(output_processor: Any) -> None:
     Arguments:
         output_processor: vLLM's ``OutputProcessor`` of one ``AsyncLLM`` (API process).
     """
-    original = output_processor.process_outputs
     faulted: collections.deque[str] = collections.deque(maxlen=1024)  # their later outputs are dropped
 
-    def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        outputs = [o for o in engine_core_outputs if o.request_id not in faulted] if faulted else engine_core_outputs
-        try:
-            return original(outputs, *args, **kwargs)
-        except Exception as exc:
-            culprit = _named(exc)
-            at = next((i for i, o in enumerate(outputs) if o.request_id == culprit), None)
-            if culprit is None or at is None:
-                raise
-            faulted.append(culprit)
-            state = output_processor.request_states.get(culprit)
-            if state is not None and getattr(state, "queue", None) is not None:
+    def confined(original: Callable[..., Any]) -> Callable[..., Any]:
+        def process_outputs(engine_core_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+            outputs = (
+                [o for o in engine_core_outputs if o.request_id not in faulted] if faulted else engine_core_outputs
+            )
+            try:
+                return original(outputs, *args, **kwargs)
+            except Exception as exc:
+                culprit = _named(exc)
+                at = next((i for i, o in enumerate(outputs) if o.request_id == culprit), None)
+                if culprit is None or at is None:
+                    raise
+                faulted.append(culprit)
                 fault = OutputProcessingFault(f"processing the output of request {culprit} failed: {exc!r}"[:500])
                 fault.__cause__ = exc
-                state.queue.put(fault)
-            logger.error("processing the output of request %s failed (%s: %s); that request alone is cut",
-                         culprit, type(exc).__name__, str(exc)[:300])  # fmt: skip
-            # Requests before the culprit were processed: a stop string they met needs an engine-side abort.
-            aborts = [o.request_id for o in outputs[:at]
-                      if o.request_id not in output_processor.request_states and not o.finished]  # fmt: skip
-            rest = process_outputs(outputs[at + 1 :], *args, **kwargs)
-            rest.reqs_to_abort.extend(aborts)
-            return rest
+                async_llm.deliver_fault(output_processor, culprit, fault)
+                logger.error("processing the output of request %s failed (%s: %s); that request alone is cut",
+                             culprit, type(exc).__name__, str(exc)[:300])  # fmt: skip
+                # Requests before the culprit were processed: a stop string they met needs an engine-side abort.
+                processing = async_llm.is_processing
+                aborts = [o.request_id for o in outputs[:at]
+                          if not processing(output_processor, o.request_id) and not o.finished]  # fmt: skip
+                rest = process_outputs(outputs[at + 1 :], *args, **kwargs)
+                rest.reqs_to_abort.extend(aborts)
+                return rest
 
-    output_processor.process_outputs = process_outputs
+        return process_outputs
+
+    async_llm.wrap_output_processing(output_processor, confined)

@@ -18,123 +18,71 @@ import contextlib
 import enum
 import gc
 import logging
-import os
-import re
 import shutil
-import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from server.guard import fatal, ipc_cache, output_faults, watchdog
-from server.guard.clients import ClientBudget
+from server.engine.protocol import EngineSettings, engine_dir, new_state_dir, read_fatal
+from server.guard import ipc_cache, output_faults, watchdog
+from server.guard.accounting import FaultAccounting, charged_requests, describe_charge
 from server.guard.errors import EngineUnavailableError
-from server.guard.fatal import FatalRecord, read_fatal
 from server.guard.inflight import InflightLedger
 from server.guard.ipc_cache import EngineCacheShadow
-from server.guard.quarantine import Quarantine
-from server.guard.soft import ENABLED_ENV as SOFT_ENABLED_ENV
-from server.guard.soft import MAX_ENV as SOFT_MAX_ENV
-from server.guard.soft import WINDOW_ENV as SOFT_WINDOW_ENV
-from server.guard.soft import SoftFault, read_soft_faults
+from server.guard.lifecycle import Engine, EngineFactory, ServingRenderer, build_async_llm, in_daemon_thread, teardown
 from server.guard.spare import SpareKeeper
 from server.guard.watchdog import DeathCause
 from server.metrics import definitions as m
-from server.metrics.registry import mark_process_dead
 from server.settings import GuardSettings
+from server.vllm_hooks import async_llm
 
 if TYPE_CHECKING:
     import psutil
-    from vllm.engine.arg_utils import AsyncEngineArgs
 
 logger = logging.getLogger(__name__)
 
-#: The engine the supervisor runs: vLLM's ``AsyncLLM``, or a test's fake with the same surface
-#: (``generate``, ``abort``, ``errored``, ``reset_mm_cache``, ``shutdown``, ``renderer``).
-Engine = Any
-EngineFactory = Callable[[], Engine]
-
-__all__ = ["Engine", "EngineFactory", "EngineState", "EngineUnavailableError", "Supervisor", "build_async_llm"]
-
-
-def build_async_llm(engine_args: AsyncEngineArgs) -> Engine:
-    """A new vLLM ``AsyncLLM`` from ``engine_args`` (blocks for the whole model load; run it off the loop)."""
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    return AsyncLLM.from_vllm_config(
-        vllm_config=vllm_config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=engine_args.enable_log_requests,
-        aggregate_engine_logging=engine_args.aggregate_engine_logging,
-        disable_log_stats=engine_args.disable_log_stats,
-    )
+__all__ = [
+    "Engine",
+    "EngineFactory",
+    "EngineState",
+    "EngineUnavailableError",
+    "RestartBudget",
+    "Supervisor",
+    "build_async_llm",
+    "charged_requests",
+]
 
 
 #: The readiness probe's prompt (token ids; any valid id does: one token is generated from it).
 PROBE_PROMPT_IDS = (0,)
 
-_CHILD_PREFIX = re.compile(r"^\d+_")  # vLLM's ids of an n > 1 request's samples: "<index>_<request id>"
 
-
-def charged_requests(inflight: dict[str, str], record: FatalRecord | SoftFault | None) -> list[str]:
-    """The in-flight request ids a fault is charged to: those in the step the engine core recorded as
-    failing. vLLM's engine-side ids are ``<request id>-<8 hex>``, and ``<index>_<request id>-<8 hex>`` for
-    the samples of an ``n > 1`` request.
+class RestartBudget:
+    """At most ``max_restarts`` counted rebuilds within a sliding ``window_s`` seconds.
 
     Arguments:
-        inflight: request id -> fingerprint of the requests inside the dead engine.
-        record: what its engine core recorded (before dying, or when it absorbed the fault), or None.
-
-    Returns:
-        Sorted request ids; empty without a record (a SIGKILL, segfault or OOM kill of the engine core, or
-        a hang, says nothing about the requests in flight).
+        clock: monotonic seconds.
     """
-    if record is None or not record.step_requests:
-        return []
-    return sorted(rid for rid in inflight if rid in api_ids(record.step_requests))
 
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float]) -> None:
+        self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
+        self._restarts: collections.deque[float] = collections.deque()
 
-def api_ids(engine_ids: list[str]) -> set[str]:
-    """Every id an API-side request may go by for these engine-side ids (the id itself, without its
-    suffix, and without an ``n > 1`` sample's prefix)."""
-    ids = set()
-    for engine_id in engine_ids:
-        base = engine_id.rsplit("-", 1)[0]
-        ids |= {engine_id, base, _CHILD_PREFIX.sub("", base)}
-    return ids
+    def spent(self) -> bool:
+        """Whether the budget is spent now (old restarts leave the window first)."""
+        now = self.clock()
+        while self._restarts and now - self._restarts[0] > self.window_s:
+            self._restarts.popleft()
+        return len(self._restarts) >= self.max_restarts
 
+    def spend(self) -> None:
+        """Count a restart (attempt) now."""
+        self._restarts.append(self.clock())
 
-def _in_daemon_thread(fn: Callable[[], Engine]) -> asyncio.Future[Engine]:
-    """Run ``fn`` (an engine build) in a daemon thread of its own; its result or exception lands in the
-    returned future. Not the loop's default executor: ``asyncio.run`` waits for those threads at exit, so
-    a build that never returns would hold the process forever."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Engine] = loop.create_future()
-
-    def settle(result: Engine, exc: BaseException | None) -> None:
-        if future.done():
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn()
-        except BaseException as exc:
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="vlguard-engine-build", daemon=True).start()
-    return future
+    def __len__(self) -> int:
+        return len(self._restarts)
 
 
 class EngineState(enum.StrEnum):
@@ -156,7 +104,7 @@ class Supervisor:
             ``functools.partial(build_async_llm, engine_args)``; tests hand in a fake.
         settings: vlguard's own options (restart budget, hold, quarantine, watchdog).
         on_failed: called once when the state becomes FAILED (the server then exits non-zero).
-        state_dir: where engine cores record their fatal errors (see :mod:`server.guard.fatal`); by
+        state_dir: where engine cores record their fatal errors (see :mod:`server.engine.fatal`); by
             default a new temporary directory. The supervisor removes it at shutdown.
         clock: monotonic seconds (hang clock, readiness, restart window); injectable for tests.
         sleep: awaited for the restart backoff (seconds); injectable for tests.
@@ -183,29 +131,20 @@ class Supervisor:
         self.reap_children = reap_children
         self.settings = settings
         self.on_failed = on_failed
-        self.state_dir = state_dir or tempfile.mkdtemp(prefix="vlguard-state-")
+        self.state_dir = state_dir or new_state_dir()
         self.clock = clock
         self._sleep = sleep
-        self.quarantine = Quarantine(
-            settings.quarantine_deaths, settings.quarantine_size, settings.quarantine_ttl, clock=clock
-        )
-        #: per-client fault budget (:mod:`server.guard.clients`)
-        self.clients = ClientBudget(
-            settings.client_fault_max, settings.restart_window, settings.client_cooldown, clock=clock
-        )
-        #: fingerprints to run on probation without a strike: in the engine when a fault named no request
-        self.suspects: set[str] = set()
         self.generation = 0  # increments with every engine built
         self.state = EngineState.STOPPED
         self._engine: Engine | None = None
         self._latest: Engine | None = None
-        self._serving_renderer: object | None = None
+        self._renderer = ServingRenderer()
         self._pids: list[int] = []
         self._tree: list[psutil.Process] = []
         self._settled = asyncio.Event()
         self._changed = asyncio.Event()  # set (and replaced) at every state change
         self._held = 0
-        self._restarts: collections.deque[float] = collections.deque()
+        self._restarts = RestartBudget(settings.restart_max, settings.restart_window, clock)
         self._restart_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
@@ -215,11 +154,12 @@ class Supervisor:
         self.abandoned_build = False
         #: Requests inside an engine now, and the probation slot for suspects.
         self.inflight = InflightLedger(settings.hold_timeout, settings.probation_drain_timeout)
+        #: strikes, client faults, suspects and soft-recovery cuts (:mod:`server.guard.accounting`)
+        self.faults = FaultAccounting(settings, self.inflight, clock)
+        self.quarantine, self.clients = self.faults.quarantine, self.faults.clients
         self.last_progress = clock()  # hang clock: last output, or when work arrived at an idle engine
         self.last_output = 0.0  # readiness: real output is as good as a probe
         self.probe_ok_at: float | None = None
-        self._soft_read: set[str] = set()  # soft-fault records of the current engine already counted
-        self._soft_cut: set[str] = set()  # API-side ids of the requests they cut
         self._ipc_cache: EngineCacheShadow | None = None  # what the current engine core's cache holds
         self._set_state(EngineState.STOPPED)
         m.RESTART_BUDGET.set(settings.restart_max)
@@ -325,20 +265,19 @@ class Supervisor:
         self.probe_ok_at = self.clock()
 
     def engine_dir(self, generation: int) -> Path:
-        """Where engine ``generation``'s engine core records its fatal error (:mod:`server.guard.fatal`)."""
-        return Path(self.state_dir) / f"engine-{generation}"
+        """Where engine ``generation``'s engine core writes its records (:mod:`server.engine.protocol`)."""
+        return engine_dir(self.state_dir, generation)
 
     async def _bring_up(self) -> None:
-        fatal_dir = self.engine_dir(self.generation + 1)
-        fatal_dir.mkdir(parents=True, exist_ok=True)
-        # Inherited by the engine-core process this build spawns (server.guard.fatal, server.guard.soft).
-        os.environ[fatal.ENV] = str(fatal_dir)
-        os.environ[SOFT_ENABLED_ENV] = "on" if self.settings.soft_recovery else "off"
-        os.environ[SOFT_MAX_ENV] = str(self.settings.soft_recovery_max)
-        os.environ[SOFT_WINDOW_ENV] = str(self.settings.restart_window)
+        directory = self.engine_dir(self.generation + 1)
+        directory.mkdir(parents=True, exist_ok=True)
+        # Inherited by the engine-core process this build spawns (server.engine.fatal, server.engine.soft).
+        EngineSettings(
+            str(directory), self.settings.soft_recovery, self.settings.soft_recovery_max, self.settings.restart_window
+        ).apply()
         if self.spares is not None and self.generation:
             self.spares.arm()  # a rebuild: its engine core runs in the spare, its worker in the spare's
-        building = self._building = _in_daemon_thread(self.engine_factory)
+        building = self._building = in_daemon_thread(self.engine_factory)
         try:
             # shield: a cancelled wait (shutdown) leaves the build to shutdown(), which ends it
             engine = await asyncio.wait_for(asyncio.shield(building), self.settings.startup_timeout)
@@ -349,23 +288,22 @@ class Supervisor:
                 self.spares.after_build()
         try:
             await engine.reset_mm_cache()  # drop the profiling run's dummy images
-            self._adopt_serving_renderer(engine)
+            self._renderer.adopt(engine)
             await asyncio.wait_for(self.probe(engine), self.settings.startup_timeout)
         except BaseException:
-            self._release_renderers(engine)
+            self._renderer.release(engine)
             await asyncio.to_thread(engine.shutdown)
             raise
         generation = self.generation + 1
-        watchdog.on_engine_core_output(engine, lambda: self._note_engine_step(generation))
-        if (processor := getattr(engine, "output_processor", None)) is not None:
+        async_llm.on_engine_core_output(engine, lambda: self._note_engine_step(generation))
+        if (processor := async_llm.output_processor_of(engine)) is not None:
             output_faults.confine(processor)  # a request whose output processing raises costs only itself
         self._engine = self._latest = engine
         self._ipc_cache = ipc_cache.shadow_for(engine)
-        if self._serving_renderer is None:
-            self._serving_renderer = engine.renderer
-        self._pids = watchdog.engine_core_pids(engine)
+        self._renderer.keep(engine)
+        self._pids = async_llm.engine_core_pids(engine)
         self._tree = watchdog.process_tree(self._pids)  # workers too: orphaned once their engine core dies
-        self._soft_read, self._soft_cut = set(), set()
+        self.faults.new_engine()
         self.generation += 1
         self.last_progress = self.last_output = self.clock()
         if self.generation > 1:  # a restart: freeze the new engine's objects, as the app does at start-up
@@ -378,32 +316,6 @@ class Supervisor:
                 await asyncio.to_thread(self.spares.replenish, config)  # spawning pickles the config: blocks
             except Exception:  # the engine serves without a spare; the next rebuild spawns
                 logger.exception("spare engine process not started")
-
-    def _adopt_serving_renderer(self, engine: Any) -> None:
-        """vLLM's serving classes render every request with the first engine's renderer (tokenizer, chat
-        template, multimodal processor and its processor cache); a rebuilt engine's output handler, started
-        by its first request, reports the cache statistics of ``engine.renderer`` (``vllm:mm_cache_*``):
-        point that at the renderer in use. The engine's own renderer stays with its input processor and is
-        shut down with the engine (:meth:`_release_renderers`)."""
-        if self._serving_renderer is not None:
-            engine.renderer = self._serving_renderer
-
-    def _release_renderers(self, engine: Any) -> None:
-        """Before ``engine`` is shut down: detach the serving renderer (``AsyncLLM.shutdown``, which its
-        ``__del__`` also runs, would stop its executors under the serving classes) and shut down the
-        engine's own renderer, if it has one besides."""
-        serving = self._serving_renderer
-        if engine.renderer is serving:
-            engine.renderer = None  # AsyncLLM.shutdown skips None
-        self._shutdown_own_renderer(engine)
-
-    def _shutdown_own_renderer(self, engine: Any) -> None:
-        """Shut down the renderer ``engine`` built for itself when it serves with another (a rebuilt
-        engine: :meth:`_adopt_serving_renderer`); ``AsyncLLM.shutdown`` only stops ``engine.renderer``."""
-        own = getattr(getattr(engine, "input_processor", None), "renderer", None)
-        if own is not None and own is not self._serving_renderer and own is not engine.renderer:
-            with contextlib.suppress(Exception):
-                own.shutdown()
 
     async def start(self) -> None:
         """Build the first engine and start watching it.
@@ -451,91 +363,36 @@ class Supervisor:
         m.ENGINE_DEATHS.labels(cause=cause.value).inc()
         inflight = self.inflight.requests(generation)
         charged = charged_requests(inflight, record)
-        self._charge(inflight, charged, record)
+        self.faults.charge(inflight, charged, record)
         logger.error(
             "engine generation %d died (cause: %s) with %d request(s) in flight; %s; restarting in-process",
-            generation, cause.value, len(inflight),
-            f"charged to the {len(charged)} request(s) of the failing step: "
-            + ", ".join(sorted({inflight[r] for r in charged}))
+            generation, cause.value, len(inflight), describe_charge(inflight, charged)
             if charged else "no request charged (no step raised: a kill, crash or hang is no evidence against one)",
         )  # fmt: skip
         # A fault charged to one request (named, or alone in its step) is its own: its strikes and its
         # client's budget, not the restart budget. A whole step's, a kill, a crash or a hang spend it.
         self._restart_task = asyncio.create_task(self._restart(counted=len(charged) != 1), name="vlguard-restart")
 
-    def _charge(self, inflight: dict[str, str], charged: list[str], record: FatalRecord | SoftFault | None) -> None:
-        """Give each charged request (id -> fingerprint in ``inflight``) a strike; charge its client's fault
-        budget when the fault named that request alone; put a fault's suspects (it named nobody) on
-        probation."""
-        evidence = "named" if record is not None and record.named else "step_exception"
-        if charged:
-            m.QUARANTINE_STRIKES.labels(evidence=evidence).inc(len(charged))
-        for fp in self.quarantine.record_death(inflight[rid] for rid in charged):
-            logger.error("request %s quarantined: charged with %d engine faults", fp, self.quarantine.deaths)
-        m.QUARANTINED.set(self.quarantine.quarantined_count())
-        if len(charged) == 1 and (client := self.inflight.client_of(charged[0])):
-            m.CLIENT_FAULTS.inc()
-            for refused in self.clients.charge([client]):
-                logger.error("client %s refused for %.0f s: its requests caused %d engine faults",
-                             refused, self.settings.client_cooldown, self.settings.client_fault_max)  # fmt: skip
-            m.CLIENTS_REFUSED.set(self.clients.refused_count())
-        if record is not None and record.suspects and not charged:
-            suspects = api_ids(record.suspects)
-            self.suspects |= {fp for rid, fp in inflight.items() if rid in suspects}
-            while len(self.suspects) > self.settings.quarantine_size:
-                self.suspects.pop()
-
     def is_suspect(self, fp: str) -> bool:
-        """Whether ``fp`` runs on probation: it has a strike, or was in the engine at a fault that named no
-        request (until it completes once)."""
-        return fp in self.suspects or self.quarantine.strikes(fp) > 0
+        """Whether ``fp`` runs on probation (:meth:`FaultAccounting.is_suspect`)."""
+        return self.faults.is_suspect(fp)
 
     def cleared(self, fp: str) -> None:
-        """``fp`` ran to its end on probation: no longer a suspect (its strikes stay)."""
-        self.suspects.discard(fp)
+        """``fp`` ran to its end on probation (:meth:`FaultAccounting.cleared`)."""
+        self.faults.cleared(fp)
 
     def absorb_soft_faults(self, generation: int) -> None:
         """Count the faults engine ``generation`` absorbed since the last call (soft recovery,
-        :mod:`server.guard.soft`): metrics, quarantine strikes for the requests of each failing step, a log
-        line each; remember the requests each one cut. Called by the engine client when a request ends in
-        an ``ERROR`` finish, and by the watchdog. Stale generations are ignored."""
-        if generation != self.generation:
-            return
-        for name, record in read_soft_faults(self.engine_dir(generation), skip=self._soft_read):
-            self._soft_read.add(name)
-            self._soft_cut |= api_ids(record.cut)
-            cause = watchdog.exception_cause(record.describe())
-            m.ENGINE_DEATHS.labels(cause=cause.value).inc()
-            m.ENGINE_RECOVERIES.labels(kind="soft").inc()
-            m.RECOVERY_DURATION.labels(kind="soft").observe(record.recovery_s)
-            inflight = self.inflight.requests(generation)
-            charged = charged_requests(inflight, record)
-            self._charge(inflight, charged, record)
-            logger.error(
-                "engine generation %d: step fault (cause: %s) absorbed in %.3f s; %d request(s) cut and carried "
-                "over; %s: %s",
-                generation, cause.value, record.recovery_s, len(record.cut),
-                f"charged to the {len(charged)} request(s) of the failing step: "
-                + ", ".join(sorted({inflight[r] for r in charged}))
-                if charged else "no request charged", record.describe()[:500],
-            )  # fmt: skip
+        :mod:`server.engine.soft`; :meth:`FaultAccounting.soft_faults`). Called by the engine client when
+        a request ends in an ``ERROR`` finish, and by the watchdog. Stale generations are ignored."""
+        if generation == self.generation:
+            self.faults.soft_faults(generation, self.engine_dir(generation))
 
     def output_fault(self, generation: int, request_id: str, fault: BaseException) -> None:
-        """Processing ``request_id``'s output raised in this process (:mod:`server.guard.output_faults`): a
-        fault named to that request, absorbed without touching the engine (counted as a soft recovery)."""
-        if generation != self.generation:
-            return
-        inflight = self.inflight.requests(generation)
-        record = SoftFault(type(fault.__cause__ or fault).__name__, str(fault)[:2000], [request_id], [],
-                           [request_id], 0.0, named=True)  # fmt: skip
-        m.ENGINE_DEATHS.labels(cause=watchdog.exception_cause(record.describe()).value).inc()
-        m.ENGINE_RECOVERIES.labels(kind="soft").inc()
-        m.RECOVERY_DURATION.labels(kind="soft").observe(0.0)
-        self._charge(inflight, [request_id] if request_id in inflight else [], record)
-        logger.error(
-            "engine generation %d: processing the output of request %s (%s) failed; charged to it and carried "
-            "over: %s", generation, request_id, inflight.get(request_id), record.describe()[:300],
-        )  # fmt: skip
+        """Processing ``request_id``'s output raised in this process (:meth:`FaultAccounting.output_fault`).
+        Stale generations are ignored."""
+        if generation == self.generation:
+            self.faults.output_fault(generation, request_id, fault)
 
     def ipc_cache(self, generation: int) -> EngineCacheShadow | None:
         """What engine ``generation``'s engine core holds of the processed images sent to it (None: strip
@@ -546,25 +403,12 @@ class Supervisor:
         """Whether a soft recovery of engine ``generation`` cut ``request_id`` (it is then carried over; the
         answer is given once per cut, so a later ``ERROR`` finish of the same id is vLLM's own)."""
         self.absorb_soft_faults(generation)
-        if generation != self.generation or request_id not in self._soft_cut:
-            return False
-        self._soft_cut.discard(request_id)
-        return True
+        return generation == self.generation and self.faults.take_cut(request_id)
 
     async def _teardown(self) -> None:
         engine, self._engine = self._engine, None
         pids, self._pids, tree, self._tree = self._pids, [], self._tree, []
-        # A stopped or hung core cannot exit cleanly; the workers of a killed one are orphans by now.
-        killed = await asyncio.to_thread(watchdog.kill_tree, pids, tree)
-        if engine is not None:
-            self._release_renderers(engine)
-            if (handler := getattr(engine, "output_handler", None)) is not None:
-                handler.cancel()
-            if (core := getattr(engine, "engine_core", None)) is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(core.shutdown)
-        for pid in killed:
-            mark_process_dead(pid)
+        await teardown(engine, pids, tree, self._renderer)
 
     async def _restart(self, counted: bool = True) -> None:
         """Tear the dead engine down and build a new one, within the restart budget (``counted``: whether
@@ -575,10 +419,7 @@ class Supervisor:
         self._set_state(EngineState.RESTARTING)
         failures = 0
         while True:
-            now = self.clock()
-            while self._restarts and now - self._restarts[0] > self.settings.restart_window:
-                self._restarts.popleft()
-            if len(self._restarts) >= self.settings.restart_max:
+            if self._restarts.spent():
                 logger.critical(
                     "restart budget spent (%d in %.0f s): giving up, exiting non-zero",
                     len(self._restarts), self.settings.restart_window,
@@ -586,7 +427,7 @@ class Supervisor:
                 self._fail()
                 return
             if counted or failures:  # a failed attempt always counts: the engine, not a request, is at fault
-                self._restarts.append(now)
+                self._restarts.spend()
             try:
                 await self._bring_up()
             except Exception:
@@ -655,7 +496,7 @@ class Supervisor:
     # -- lifetime ------------------------------------------------------------------------------------
     def _note_engine_step(self, generation: int) -> None:
         """Restart the hang clock: engine ``generation`` delivered a step's outputs (any request, any
-        output kind; see :func:`watchdog.on_engine_core_output`)."""
+        output kind; see :func:`server.vllm_hooks.async_llm.on_engine_core_output`)."""
         if generation == self.generation:
             self.last_progress = self.clock()
 
@@ -680,7 +521,7 @@ class Supervisor:
         engine, self._engine, self._latest = self._engine, None, None
         bound = self.settings.shutdown_timeout
         if engine is not None:
-            self._shutdown_own_renderer(engine)
+            self._renderer.shutdown_own(engine)
             try:
                 await asyncio.wait_for(asyncio.to_thread(engine.shutdown), bound)
             except Exception:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import psutil
 
 if TYPE_CHECKING:
-    from server.guard.fatal import FatalRecord
+    from server.engine.protocol import FatalRecord
 
 
 class DeathCause(enum.StrEnum):
@@ -24,14 +24,6 @@ class DeathCause(enum.StrEnum):
     PROCESS_EXIT = "process_exit"  # engine-core process gone (killed, crashed, OOM-killed)
     HANG = "hang"  # stopped process, or work pending with no output for too long
     EXCEPTION = "exception"  # any other fatal error inside the engine
-
-
-def engine_core_pids(engine: Any) -> list[int]:
-    """PIDs of the engine-core processes of an ``AsyncLLM`` (empty when not found)."""
-    with contextlib.suppress(AttributeError):
-        manager = engine.engine_core.resources.engine_manager
-        return [p.pid for p in manager.processes if p.pid is not None]
-    return []
 
 
 def process_tree(pids: list[int]) -> list[psutil.Process]:
@@ -109,7 +101,7 @@ def classify(record: FatalRecord | None, pids: list[int]) -> DeathCause:
     """The cause of a death vLLM reported (``EngineDeadError``).
 
     Arguments:
-        record: what the engine core recorded before dying (see :mod:`server.guard.fatal`), or None.
+        record: what the engine core recorded before dying (see :mod:`server.engine.fatal`), or None.
         pids: the engine-core PIDs, to tell a killed process from an exception.
     """
     if record is not None:
@@ -120,28 +112,3 @@ def classify(record: FatalRecord | None, pids: list[int]) -> DeathCause:
 def exception_cause(description: str) -> DeathCause:
     """The cause of a fault an engine step raised, from its ``"<Type>: <message>"``."""
     return DeathCause.DEEPSTACK if "deepstack" in description else DeathCause.EXCEPTION
-
-
-def on_engine_core_output(engine: Any, callback: Callable[[], None]) -> bool:
-    """Call ``callback`` each time the API process receives one batch of outputs from the engine core.
-
-    The hang clock's signal that the engine core is stepping, whatever the requests' output kind: a
-    non-streaming request yields nothing until it finishes, so per-request output alone would read a
-    long non-streaming generation as a hang. Wraps ``engine.engine_core.get_output_async`` on the
-    instance (``AsyncLLM``'s output handler looks it up on every iteration; vLLM 0.20.0-0.32.0).
-
-    Returns:
-        ``False`` when ``engine`` has no engine-core client (a test's fake engine): nothing wrapped.
-    """
-    client = getattr(engine, "engine_core", None)
-    receive = getattr(client, "get_output_async", None)
-    if receive is None:
-        return False
-
-    async def get_output_async(*args: Any, **kwargs: Any) -> Any:
-        outputs = await receive(*args, **kwargs)
-        callback()
-        return outputs
-
-    client.get_output_async = get_output_async  # type: ignore[union-attr]
-    return True

@@ -12,9 +12,12 @@ import logging
 import os
 from typing import Any
 
+from server.engine.protocol import PATCHES_ENV
+from server.vllm_hooks import models
+
 logger = logging.getLogger("vllm.vlguard.patches")  # runs inside vLLM processes: use its handler
 
-ENV = "VLGUARD_PATCHES"
+ENV = PATCHES_ENV
 KNOWN_PATCHES = ("deepstack_padded_read", "deepstack_empty_buffer")
 
 _registered = False
@@ -86,25 +89,12 @@ def _export_patch_metrics() -> None:
         logger.debug("patch metrics unavailable", exc_info=True)
 
 
-def _hook_model_registry() -> None:
-    """Patch each model class as vLLM's registry loads it (works for any architecture, lazily)."""
-    from vllm.model_executor.models import registry
-
-    original = registry._ModelRegistry._try_load_model_cls
-    if getattr(original, "__vlguard_hook__", False):
-        return
-
-    def _try_load_model_cls(self: Any, model_arch: str) -> Any:
-        cls = original(self, model_arch)
-        if cls is not None:
-            try:
-                patch_model_class(cls)
-            except Exception:
-                logger.exception("vlguard: could not check %s for deepstack defects", model_arch)
-        return cls
-
-    _try_load_model_cls.__vlguard_hook__ = True  # type: ignore[attr-defined]
-    registry._ModelRegistry._try_load_model_cls = _try_load_model_cls  # type: ignore[method-assign]
+def _check_model_class(cls: type, model_arch: str) -> None:
+    """Check one model class vLLM's registry loaded (never raises into vLLM)."""
+    try:
+        patch_model_class(cls)
+    except Exception:
+        logger.exception("vlguard: could not check %s for deepstack defects", model_arch)
 
 
 def register() -> None:
@@ -119,7 +109,7 @@ def register() -> None:
         return
     _registered = True
     try:
-        _hook_model_registry()
+        models.on_model_class_load(_check_model_class)  # every architecture, lazily
     except Exception:
         logger.exception("vlguard: plugin registration failed; running without patches")
     try:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
+
+from server.vllm_hooks import models
 
 logger = logging.getLogger("vllm.vlguard.patches")  # runs inside vLLM processes: use its handler
 
 NAME = "aot_cache_inductor_load"
-_MARK = "__vlguard_aot_load__"
 
 
 def _nothing_to_finalize(vllm_config: Any) -> None:
@@ -49,28 +51,25 @@ def add_finalize_loading(loaded: Any) -> bool:
 
 
 def install() -> bool:
-    """Wrap ``torch.compiler.load_compiled_function`` in this process. Idempotent.
+    """Wrap ``torch.compiler.load_compiled_function`` in this process
+    (:func:`server.vllm_hooks.models.wrap_compiled_function_load`). Idempotent.
 
     Returns:
         Whether the wrapper is in place (False: this torch has no AOT load function).
     """
-    import torch.compiler
 
-    original = getattr(torch.compiler, "load_compiled_function", None)
-    if original is None:
-        return False
-    if getattr(original, _MARK, False):
-        return True
+    def finalizing(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def load_compiled_function(*args: Any, **kwargs: Any) -> Any:
+            loaded = original(*args, **kwargs)
+            from server.patches import enabled
 
-    @functools.wraps(original)
-    def load_compiled_function(*args: Any, **kwargs: Any) -> Any:
-        loaded = original(*args, **kwargs)
-        from server.patches import enabled
+            if enabled() and add_finalize_loading(loaded):
+                logger.info(
+                    "vlguard: %s: added the no-op finalize_loading vLLM calls on a loaded inductor artifact", NAME
+                )
+            return loaded
 
-        if enabled() and add_finalize_loading(loaded):
-            logger.info("vlguard: %s: added the no-op finalize_loading vLLM calls on a loaded inductor artifact", NAME)
-        return loaded
+        return load_compiled_function
 
-    setattr(load_compiled_function, _MARK, True)
-    torch.compiler.load_compiled_function = load_compiled_function
-    return True
+    return models.wrap_compiled_function_load(finalizing)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from server.vllm_hooks import models
+
 logger = logging.getLogger("vllm.vlguard.patches")  # runs inside vLLM processes: use its handler
 
 PADDED_READ = "deepstack_padded_read"
@@ -180,23 +182,15 @@ def is_patched(cls: type, method: str) -> bool:
 
 
 #: Attribute on a patched class holding the methods it had before (for :func:`restore`).
-ORIGINALS = "__vlguard_deepstack_originals__"
-
-
 def apply(cls: type, patches: list[str]) -> list[str]:
-    """Replace the deepstack methods of ``cls`` that ``patches`` cover (idempotent). The installed methods
-    are kept on the class (``ORIGINALS``) for :func:`restore`.
+    """Replace the deepstack methods of ``cls`` that ``patches`` cover (idempotent); the class's own are
+    kept for :func:`restore` (:func:`server.vllm_hooks.models.replace_methods`).
 
     Returns:
         The names of the methods replaced (sorted).
     """
     methods = sorted({name for patch in patches for name in METHODS_BY_PATCH[patch]})
-    originals = cls.__dict__.get(ORIGINALS, {})
-    for name in methods:
-        if name not in originals and name in cls.__dict__:
-            originals[name] = cls.__dict__[name]
-        setattr(cls, name, REPLACEMENTS[name])
-    setattr(cls, ORIGINALS, originals)
+    models.replace_methods(cls, {name: REPLACEMENTS[name] for name in methods})
     return methods
 
 
@@ -206,9 +200,4 @@ def restore(cls: type) -> list[str]:
     Returns:
         The names of the methods restored (sorted; empty when ``cls`` was not patched).
     """
-    originals: dict[str, Any] = cls.__dict__.get(ORIGINALS, {})
-    for name, fn in originals.items():
-        setattr(cls, name, fn)
-    if ORIGINALS in cls.__dict__:
-        delattr(cls, ORIGINALS)
-    return sorted(originals)
+    return models.restore_methods(cls)

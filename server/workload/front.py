@@ -112,9 +112,9 @@ def _parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, NullEng
     from vllm.usage.usage_lib import UsageContext
 
     from server.cli import resolve_serve_args
-    from server.compat import build_renderer_and_input_processor
-    from server.guard import replay_cache
     from server.serve import engine_args
+    from server.vllm_hooks import processor_cache as replay_cache
+    from server.vllm_hooks.locations import build_renderer_and_input_processor
 
     if guard:
         replay_cache.install()
@@ -128,7 +128,7 @@ def _parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, NullEng
 
 def _stock_app(args: Any, engine: NullEngine) -> Any:
     """vLLM's own app (``build_app``), its state initialised over ``engine`` when it starts."""
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     app = vllm_symbol("build_app")(args, ("generate",))
     init_app_state = vllm_symbol("init_app_state")

@@ -53,6 +53,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import IO, Any, NamedTuple
 
+from server.vllm_hooks import wrap
+
 ENV = "VLGUARD_PHASE_TRACE"
 
 _ID = re.compile(r"phase-[0-9a-f]{16}")
@@ -236,7 +238,7 @@ def install(path: str) -> list[str]:
         if not (inspect.isasyncgenfunction if point.stream else inspect.iscoroutinefunction)(original):
             logger.warning("vlguard phase trace: %s is not the kind of function expected; not traced", where)
             continue
-        setattr(cls, point.method, point.wrap(original))
+        wrap(cls, point.method, point.wrap, where)
         wrapped.append(where)
     return wrapped
 

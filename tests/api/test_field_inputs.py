@@ -48,7 +48,7 @@ RULES = {"exif-jpeg": "orientation", "palette-trns": "transparency", "grey16": "
 
 
 async def test_normalisation_off_is_stock_behaviour(make_api: Callable[..., Any]) -> None:
-    from server.compat import upstream_image_rules
+    from server.vllm_hooks.locations import upstream_image_rules
 
     api: Api = await make_api("--guard-image-normalize", "off")
     for row, (sent, shown, stock) in FIELD.items():

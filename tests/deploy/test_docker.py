@@ -75,7 +75,7 @@ def _vllm_serve_engine_args(args: str) -> dict[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     make_arg_parser = vllm_symbol("make_arg_parser")
 

@@ -105,7 +105,7 @@ def test_shipped_profiles_also_parse_for_stock_vllm(profile: str) -> None:
     # Rollback to stock `vllm serve --config <profile>` must keep working: no guard-* keys in them.
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from server.compat import vllm_symbol
+    from server.vllm_hooks.locations import vllm_symbol
 
     make_arg_parser = vllm_symbol("make_arg_parser")
 

@@ -1,4 +1,4 @@
-"""server.compat: each moved vLLM name resolves on the installed lane, from the location that lane uses,
+"""server.vllm_hooks.locations: each moved vLLM name resolves on the installed lane, from the location that lane uses,
 and behaves as vlguard expects. (The scheduler's 4-vs-5-value encoder schedule is covered by
 test_aligned_scheduler on every lane; the padding emulation's keyword arguments by the padded servers.)"""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from server import compat
+from server.vllm_hooks import locations as compat
 from tests.lanes import VLLM_VERSION
 
 #: vLLM version -> whether the OpenAI front end has moved to its 0.32 layout.
@@ -90,7 +90,7 @@ CACHE_HOOKS = {
 
 @pytest.mark.parametrize("name", sorted(CACHE_HOOKS))
 def test_processor_cache_hooks_are_wrapped_where_the_lane_defines_them(name: str) -> None:
-    from server.guard.replay_cache import engine_receiver, replay_safe
+    from server.vllm_hooks.processor_cache import engine_receiver, replay_safe
 
     expected = CACHE_HOOKS[name][0 if NEW_LAYOUT[VLLM_VERSION] else 1]
     owner_path, _, attr = expected.rpartition(".")
@@ -111,7 +111,7 @@ def test_processor_cache_hooks_are_wrapped_where_the_lane_defines_them(name: str
     ("lru", "lru"), ("shm", "lru"), ("processor_only", "processor_only"), (None, None),
 ])  # fmt: skip
 def test_engine_processes_keep_a_receiver_cache(chosen: str | None, engine_choice: str | None) -> None:
-    from server.guard.replay_cache import engine_receiver
+    from server.vllm_hooks.processor_cache import engine_receiver
 
     def method(self: object, vllm_config: object) -> str | None:  # the 0.20 - 0.22 signature
         return chosen
@@ -128,7 +128,7 @@ def test_the_renderer_gets_processor_only_where_vllm_builds_its_lru_sender(monke
 
     from vllm.multimodal.cache import MultiModalProcessorOnlyCache
 
-    from server.guard import replay_cache
+    from server.vllm_hooks import processor_cache as replay_cache
 
     monkeypatch.setattr(replay_cache, "_replaced", False)
     mm = SimpleNamespace(mm_processor_cache_gb=0.01)

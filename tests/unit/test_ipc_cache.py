@@ -21,14 +21,12 @@ from vllm.multimodal.inputs import (
 )
 from vllm.sampling_params import RequestOutputKind
 
-from server.compat import lru_sender_cache
-from server.guard import replay_cache
-from server.guard.engine_client import GuardedEngineClient
 from server.guard.ipc_cache import EngineCacheShadow, cache_miss
-from server.guard.supervisor import EngineState, Supervisor
+from server.guard.supervisor import EngineState
 from server.metrics import definitions as m
-from server.settings import GuardSettings
-from tests.fakes import FakeEngineFactory, greedy_tokens
+from server.vllm_hooks import processor_cache as replay_cache
+from server.vllm_hooks.locations import lru_sender_cache
+from tests.fakes import FakeEngineFactory, GuardHarness, greedy_tokens
 
 WAIT_S = 10
 ITEM_BYTES = 4096
@@ -89,28 +87,16 @@ def test_prompts_without_images_pass_unchanged() -> None:
     assert shadow.strip(odd) == (odd, False)
 
 
-class Guard:
-    """A started supervisor over fake engines that keep a receiver cache; vlguard's renderer replaced the
-    split cache (so the engine cores hold one)."""
+class Guard(GuardHarness):
+    """Fake engines that keep a receiver cache; vlguard's renderer replaced the split cache (so the engine
+    cores hold one)."""
 
     def __init__(self, **engine: Any) -> None:
-        settings = GuardSettings(watchdog_interval=3600, restart_backoff=0.0, hold_timeout=WAIT_S)
-        self.factory = FakeEngineFactory(receiver=True, model_config=model_config(), **engine)
-        self.sup = Supervisor(self.factory, settings, sleep=self._sleep)
-        self.client = GuardedEngineClient(self.sup)
-
-    async def _sleep(self, seconds: float) -> None:
-        return None
+        factory = FakeEngineFactory(receiver=True, model_config=model_config(), **engine)
+        super().__init__(factory, wait_s=WAIT_S, restart_backoff=0.0)
 
     async def ask(self, p: dict[str, Any], rid: str, max_tokens: int = 4, stream: bool = False) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        if stream:
-            params.output_kind = RequestOutputKind.DELTA
-        tokens: list[int] = []
-        async for out in self.client.generate(p, params, rid):
-            assert out.outputs[0].finish_reason != "error", rid
-            tokens = [*tokens, *out.outputs[0].token_ids] if stream else list(out.outputs[0].token_ids)
-        return tokens
+        return await self.collect(p, max_tokens, stream, rid, no_error=True)
 
 
 @pytest.fixture
@@ -205,7 +191,7 @@ def test_serve_wraps_the_factory_even_where_the_plugin_wrapped_the_chooser_first
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """VLGUARD_REPLAY_CACHE=1 inherited by the API process: vLLM loads the plugin before serve installs."""
-    import server.compat as compat
+    import server.vllm_hooks.locations as compat
 
     wrapped: list[str] = []
     monkeypatch.setattr(compat, "wrap_mm_cache_type", lambda wrap: wrapped.append(wrap.__name__) or "chooser")

@@ -1,4 +1,4 @@
-"""The parent watch (:mod:`server.guard.parent_watch`) in real processes: a ``multiprocessing`` child of a
+"""The parent watch (:mod:`server.engine.parent_watch`) in real processes: a ``multiprocessing`` child of a
 process that is SIGKILLed ends on its own, with the watch started at interpreter start-up by the
 ``sitecustomize`` on ``PYTHONPATH`` (the child imports nothing of vlguard itself); without the watch it
 would live on, re-parented to init."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from server.guard import parent_watch
+from server.engine import parent_watch
 from tests.helpers import poll
 from tests.servers import REPO
 
@@ -28,7 +28,7 @@ PARENT = textwrap.dedent(
 
     if __name__ == "__main__":
         if sys.argv[1] == "1":
-            from server.guard import parent_watch
+            from server.engine import parent_watch
             parent_watch.enable_for_children()  # what vlguard serve does before building an engine
         proc = multiprocessing.get_context(sys.argv[2]).Process(target=child, daemon=False)
         proc.start()

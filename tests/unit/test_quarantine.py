@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.guard.quarantine import Quarantine, QuarantinedRequestError, fingerprint
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import ManualClock
 
 
 def test_quarantined_after_k_deaths_only() -> None:
@@ -26,7 +19,7 @@ def test_quarantined_after_k_deaths_only() -> None:
 
 
 def test_forgotten_after_ttl() -> None:
-    clock = Clock()
+    clock = ManualClock(0.0)
     q = Quarantine(deaths=1, max_entries=10, ttl_s=60, clock=clock)
     q.record_death(["a"])
     assert q.is_quarantined("a")

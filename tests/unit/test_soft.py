@@ -9,17 +9,12 @@ from typing import Any
 
 import pytest
 
-from server.guard import soft
-from server.guard.fatal import remember_steps
-from server.guard.soft import SoftPolicy, device_poisoned, read_soft_faults
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from server.engine import protocol, soft
+from server.engine.fatal import remember_steps
+from server.engine.protocol import EngineSettings, read_soft_faults
+from server.engine.soft import SoftPolicy, device_poisoned
+from server.vllm_hooks import engine_core
+from tests.helpers import ManualClock
 
 
 @pytest.mark.parametrize(
@@ -74,7 +69,7 @@ def test_a_new_fault_in_the_first_step_of_the_carried_requests_escalates_unless_
 
 
 def test_more_than_max_uncharged_recoveries_in_the_window_escalates() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     policy = SoftPolicy(max_recoveries=2, window_s=60, clock=clock)
     for _ in range(2):
         assert policy.escalation(ValueError("x"), []) is None
@@ -88,7 +83,7 @@ def test_more_than_max_uncharged_recoveries_in_the_window_escalates() -> None:
 def test_faults_charged_to_requests_do_not_spend_the_engine_budget() -> None:
     """#33: a deterministic poison (or a client varying one) is the quarantine's and the client budget's
     business; rebuilding cannot help it, so its faults never escalate by count."""
-    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=Clock())
+    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=ManualClock(100.0))
     for i in range(10):
         assert policy.escalation(ValueError("x"), [f"poison{i}-1"]) is None
         policy.absorbed([f"poison{i}-1"], cut=[f"poison{i}-1"])
@@ -98,7 +93,7 @@ def test_faults_charged_to_requests_do_not_spend_the_engine_budget() -> None:
 
 def test_faults_charged_to_a_whole_step_still_spend_the_engine_budget() -> None:
     """An engine that fails every step of several requests (each charged, none alone) must escalate."""
-    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=Clock())
+    policy = SoftPolicy(max_recoveries=2, window_s=60, clock=ManualClock(100.0))
     for i in range(2):
         assert policy.escalation(ValueError("x"), [f"a{i}-1", f"b{i}-1"]) is None
         policy.absorbed([f"a{i}-1", f"b{i}-1"], cut=[f"a{i}-1", f"b{i}-1"])
@@ -109,7 +104,7 @@ def test_faults_charged_to_a_whole_step_still_spend_the_engine_budget() -> None:
 def test_only_a_request_handed_to_the_failing_code_is_named() -> None:
     """A loop variable outlives its loop: an exception raised after the loop must not name the loop's
     last request (found in review)."""
-    from server.guard.fatal import named_requests
+    from server.engine.fatal import named_requests
 
     def helper(request: Request) -> None:
         raise ValueError("in the request's own helper")
@@ -128,10 +123,10 @@ def test_only_a_request_handed_to_the_failing_code_is_named() -> None:
 
 
 def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(soft.ENABLED_ENV, "off")
-    monkeypatch.setenv(soft.MAX_ENV, "3")
-    monkeypatch.setenv(soft.WINDOW_ENV, "30.5")
-    policy = SoftPolicy.from_env()
+    monkeypatch.setenv(protocol.SOFT_RECOVERY_ENV, "off")
+    monkeypatch.setenv(protocol.SOFT_RECOVERY_MAX_ENV, "3")
+    monkeypatch.setenv(protocol.SOFT_RECOVERY_WINDOW_ENV, "30.5")
+    policy = SoftPolicy.from_settings(EngineSettings.from_environ())
     assert (policy.enabled, policy.max_recoveries, policy.window_s) == (False, 3, 30.5)
 
 
@@ -223,7 +218,7 @@ class FakeCore:
 
 
 def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *ids: str) -> tuple[FakeCore, Any, list[str]]:
-    monkeypatch.setenv(soft.STATE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(protocol.STATE_DIR_ENV, str(tmp_path))
     events: list[str] = []
     core = FakeCore(events, tmp_path, *ids)
     log = remember_steps(core.scheduler, 1)
@@ -281,7 +276,7 @@ def test_requests_freed_but_still_queued_are_cut_too(tmp_path: Path, monkeypatch
 
 def test_device_check_drops_a_pending_execute_model_state() -> None:
     worker = type("W", (), {"model_runner": type("R", (), {"execute_model_state": object()})()})()
-    assert soft._synchronize_device(worker) is True
+    assert engine_core._synchronize_device(worker) is True
     assert worker.model_runner.execute_model_state is None
 
 
@@ -347,7 +342,7 @@ def test_a_fault_that_names_nobody_makes_every_request_held_a_suspect(
 ) -> None:
     """#33: ``schedule()`` raises with no request in reach: nobody is charged, every request held is a
     suspect (they re-enter one at a time); alone in the engine, the next such fault is its own."""
-    monkeypatch.setenv(soft.STATE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(protocol.STATE_DIR_ENV, str(tmp_path))
     core = FakeCore([], tmp_path, "a-1", "b-2")
 
     def schedule() -> Any:

@@ -15,8 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from server.guard import spare as sp
-from server.guard.fatal import ENV as STATE_DIR_ENV
+from server.engine import spare as sp
+from server.engine.protocol import STATE_DIR_ENV
+from server.guard.spare import SpareKeeper
 from server.metrics import definitions as m
 from tests.helpers import gone, poll
 from tests.unit import spare_targets
@@ -124,7 +125,7 @@ def test_the_keeper_replaces_a_dead_spare_after_a_back_off_counts_it_and_ends_it
 ) -> None:
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's CPU platform sets
     now = [0.0]
-    keeper = sp.SpareKeeper(modules=("json",), backoff_s=10, clock=lambda: now[0])
+    keeper = SpareKeeper(modules=("json",), backoff_s=10, clock=lambda: now[0])
     died = m.SPARE_EVENTS.labels(event="died")._value.get()
     try:
         keeper.replenish(None)  # no engine configuration: no worker spare
@@ -162,7 +163,7 @@ def test_a_handed_process_answers_like_an_unstarted_one_before_start() -> None:
 def test_the_keeper_keeps_no_spare_where_vllm_forks(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's default start method (CUDA, nothing forcing spawn) forks: no import to save."""
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    keeper = sp.SpareKeeper(modules=("json",))
+    keeper = SpareKeeper(modules=("json",))
     keeper.replenish(None)
     assert keeper.spare is None
     keeper.close()

@@ -17,58 +17,19 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from server.guard.clients import ClientBudget, ClientRefusedError, client_key, current_client
-from server.guard.engine_client import GuardedEngineClient
 from server.guard.errors import EngineUnavailableError, QuarantinedRequestError
-from server.guard.supervisor import EngineState, Supervisor
+from server.guard.supervisor import EngineState
 from server.guard.watchdog import DeathCause
-from server.settings import GuardSettings
-from tests.fakes import FakeEngineFactory, greedy_tokens
+from tests.fakes import FakeEngineFactory, GuardHarness, greedy_tokens
+from tests.helpers import ManualClock
 
 POISON = 666
 WAIT_S = 10  # bound on any single wait in this module; nothing here should take more than milliseconds
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Guard:
-    """A started supervisor over fake engines, with its engine client, clock and recorded backoffs."""
-
+class Guard(GuardHarness):
     def __init__(self, factory: FakeEngineFactory, **settings: Any) -> None:
-        defaults: dict[str, Any] = {"watchdog_interval": 3600, "restart_backoff": 1.0, "hold_timeout": WAIT_S}
-        self.settings = GuardSettings(**{**defaults, **settings})
-        self.factory = factory
-        self.clock = Clock()
-        self.slept: list[float] = []
-        self.failed_calls = 0
-        self.sup = Supervisor(factory, self.settings, on_failed=self._on_failed, clock=self.clock, sleep=self._sleep)
-        self.client = GuardedEngineClient(self.sup)
-
-    def _on_failed(self) -> None:
-        self.failed_calls += 1
-
-    async def _sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-
-    async def state(self, *states: EngineState) -> EngineState:
-        return await asyncio.wait_for(self.sup.wait_for_state(*states), WAIT_S)
-
-    async def collect(
-        self, prompt_ids: list[int], max_tokens: int = 4, stream: bool = False, rid: str = "r"
-    ) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        if stream:
-            params.output_kind = RequestOutputKind.DELTA
-        tokens: list[int] = []
-        prompt = {"prompt_token_ids": prompt_ids}
-        async for out in self.client.generate(prompt, params, rid):
-            tokens = [*tokens, *out.outputs[0].token_ids] if stream else list(out.outputs[0].token_ids)
-        return tokens
+        super().__init__(factory, wait_s=WAIT_S, **settings)
 
 
 @pytest.fixture
@@ -424,7 +385,7 @@ async def test_external_kills_charge_nobody(make_guard: Callable[..., Any]) -> N
 async def test_a_step_exception_charges_only_the_requests_of_that_step(make_guard: Callable[..., Any]) -> None:
     import json
 
-    from server.guard.fatal import FatalRecord
+    from server.engine.protocol import FatalRecord
     from server.guard.supervisor import charged_requests
 
     g = await make_guard(quarantine_deaths=1)
@@ -519,7 +480,7 @@ async def test_faults_charged_to_one_request_spend_its_clients_budget_not_the_re
 
 
 def test_client_budget_counts_within_the_window_and_refuses_again_inside_it() -> None:
-    clock = Clock()
+    clock = ManualClock()
     budget = ClientBudget(max_faults=2, window_s=100, cooldown_s=10, clock=clock)
     assert budget.charge(["a"]) == [] and budget.refused_for("a") == 0
     clock.now += 50

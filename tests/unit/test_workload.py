@@ -282,7 +282,7 @@ def test_the_compare_waits_for_a_spare_only_where_vlguard_keeps_one() -> None:
 
 
 def test_the_overhead_scenarios_stock_side_runs_no_vlguard_plugin_but_the_tracer(tmp_path: Path) -> None:
-    from server.guard.replay_cache import ENV
+    from server.vllm_hooks.processor_cache import ENV
     from server.workload.compare import SCENARIOS, CompareOptions, system_server
 
     opts = CompareOptions(model="m", scenario="overhead", out=tmp_path)

@@ -1,6 +1,6 @@
 """Run at interpreter start-up of every Python process ``vlguard serve`` spawns (this folder is put on
 their ``PYTHONPATH``): vLLM's engine-core and worker processes start watching their parent before they
-import anything heavy (:func:`server.guard.parent_watch.boot`). Then the next ``sitecustomize`` on the path,
+import anything heavy (:func:`server.engine.parent_watch.boot`). Then the next ``sitecustomize`` on the path,
 if any, runs as it would have without this one."""
 
 import importlib.machinery

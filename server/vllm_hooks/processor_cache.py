@@ -30,7 +30,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-ENV = "VLGUARD_REPLAY_CACHE"
+from server.engine.protocol import REPLAY_CACHE_ENV
+
+ENV = REPLAY_CACHE_ENV
 logger = logging.getLogger("vllm.vlguard.replay_cache")
 _chooser_at: str | None = None  # where the chooser was wrapped (engine_receiver), in this process
 _factory_at: str | None = None  # where the API-side factory was wrapped (replay_safe), in this process
@@ -56,7 +58,7 @@ def replay_safe(build: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap vLLM's API-side processor cache factory (either signature) so that where it builds the API
     half of the split cache it builds ``processor_only`` instead (same size; the engine core's receiver
     is untouched): the rendered prompt then always carries the processed items."""
-    from server.compat import LRU_SENDER_CACHES, processor_only_cache
+    from server.vllm_hooks.locations import LRU_SENDER_CACHES, processor_only_cache
 
     def build_replay_safe(*args: Any, **kwargs: Any) -> Any:
         global _replaced
@@ -83,12 +85,12 @@ def install() -> str:
     (:func:`replay_safe`) in this process. Idempotent.
 
     Returns:
-        Where vLLM was wrapped (see :mod:`server.compat`).
+        Where vLLM was wrapped (see :mod:`server.vllm_hooks.locations`).
     Raises:
         ImportError: the installed vLLM has no known cache-type chooser or processor cache factory.
     """
     global _chooser_at, _factory_at
-    from server.compat import wrap_mm_cache_type, wrap_mm_processor_cache_factory
+    from server.vllm_hooks.locations import wrap_mm_cache_type, wrap_mm_processor_cache_factory
 
     if _factory_at is None:  # also when the plugin already wrapped the chooser (the variable was inherited)
         _factory_at = wrap_mm_processor_cache_factory(replay_safe)
@@ -113,7 +115,7 @@ def register() -> None:
     if os.environ.get(ENV) != "1" or _chooser_at is not None:
         return
     try:
-        from server.compat import wrap_mm_cache_type
+        from server.vllm_hooks.locations import wrap_mm_cache_type
 
         _chooser_at = wrap_mm_cache_type(engine_receiver)
         logger.info("vlguard: engine-side multimodal receiver cache in this process (%s wrapped)", _chooser_at)

@@ -4,13 +4,13 @@ plugin ``vlguard_fatal``).
 In the engine-core process it wraps ``EngineCoreProc.run_busy_loop``: the scheduler's ``schedule()`` and
 ``update_from_output()`` are wrapped to know which steps are in execution and which requests they carry
 (the request ids vLLM's scheduler gave them), and a fatal exception's type and message are written with
-the requests of the step(s) in execution (none when ``schedule()`` itself raised) to
-``$VLGUARD_STATE_DIR/fatal-<pid>.json`` before vLLM reports the engine dead. The supervisor reads it to
+the requests of the step(s) in execution (none when ``schedule()`` itself raised) as the engine's
+:class:`~server.engine.protocol.FatalRecord` before vLLM reports the engine dead. The supervisor reads it to
 label the death (``deepstack``, ``exception``) and to charge the quarantine only with the requests that
 could have caused it (vLLM itself only tells the API process "engine dead"). The same wrapper installs
-soft recovery (:mod:`server.guard.soft`), which absorbs most step faults before they get here.
+soft recovery (:mod:`server.engine.soft`), which absorbs most step faults before they get here.
 
-The supervisor gives each engine it builds a directory of its own (``VLGUARD_STATE_DIR`` is set before
+The supervisor gives each engine it builds a directory of its own (:class:`EngineSettings`, written before
 the build and inherited by the engine-core process), so a record always belongs to one engine.
 """
 
@@ -18,70 +18,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-ENV = "VLGUARD_STATE_DIR"
+from server.engine.protocol import EngineSettings, FatalRecord, write_fatal
+from server.vllm_hooks import engine_core
+
 logger = logging.getLogger("vllm.vlguard.fatal")
 _registered = False
-
-
-@dataclass(frozen=True)
-class FatalRecord:
-    """What an engine core recorded before dying.
-
-    Attributes:
-        type: the exception's class name.
-        message: its message (at most 2000 characters).
-        step_requests: engine-side request ids (``<request id>-<suffix>``) charged with the fault: the
-            request(s) the failing code was handling when it names them (:func:`named_requests`), else
-            those of the step(s) being executed.
-        new_requests: those of them that were scheduled for the first time in that step.
-        suspects: when nothing could be charged (a fault in ``schedule()`` or outside a step that named no
-            request), every request the scheduler held: they re-enter one at a time on probation, so the
-            next fault names the culprit.
-    """
-
-    type: str
-    message: str
-    step_requests: list[str] = field(default_factory=list)
-    new_requests: list[str] = field(default_factory=list)
-    suspects: list[str] = field(default_factory=list)
-    #: whether ``step_requests`` were named by the failing code itself (not the whole step's requests).
-    named: bool = False
-
-    def describe(self) -> str:
-        """``"<Type>: <message>"``."""
-        return f"{self.type}: {self.message}"
-
-
-def fatal_path(state_dir: str | Path, pid: int) -> Path:
-    """Where the engine core with ``pid`` records its fatal error."""
-    return Path(state_dir) / f"fatal-{pid}.json"
-
-
-def read_fatal(state_dir: str | Path) -> FatalRecord | None:
-    """The record an engine core wrote in ``state_dir`` (an engine's own directory), or None."""
-    for path in sorted(Path(state_dir).glob("fatal-*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        return FatalRecord(
-            type=str(data.get("type")),
-            message=str(data.get("message")),
-            step_requests=[str(r) for r in data.get("step_requests") or []],
-            new_requests=[str(r) for r in data.get("new_requests") or []],
-            suspects=[str(r) for r in data.get("suspects") or []],
-            named=bool(data.get("named")),
-        )
-    return None
 
 
 def _is_vllm_request(value: Any) -> bool:
@@ -196,73 +143,78 @@ def remember_steps(scheduler: Any, depth: int) -> StepLog:
         depth: steps in execution at once (1, or the batch queue's size); the log keeps two more.
     """
     log = StepLog(collections.deque(maxlen=depth + 2))
-    schedule, update = scheduler.schedule, scheduler.update_from_output
 
-    def schedule_step(*args: Any, **kwargs: Any) -> Any:
-        try:
-            out = schedule(*args, **kwargs)
-        except Exception:
-            log.failed_in_schedule = True
-            raise
-        scheduled = list(getattr(out, "num_scheduled_tokens", None) or {})
-        new = [r.req_id for r in getattr(out, "scheduled_new_reqs", None) or []]
-        log.steps.append((id(out), scheduled, new))
-        return out
+    def log_schedule(schedule: Callable[..., Any]) -> Callable[..., Any]:
+        def schedule_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = schedule(*args, **kwargs)
+            except Exception:
+                log.failed_in_schedule = True
+                raise
+            scheduled, new = engine_core.step_ids(out)
+            log.steps.append((id(out), scheduled, new))
+            return out
 
-    def update_from_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        result = update(scheduler_output, *args, **kwargs)  # raises: the step stays charged
-        for entry in log.steps:
-            if entry[0] == id(scheduler_output):
-                log.steps.remove(entry)
-                if log.on_step_done is not None and entry[1]:
-                    log.on_step_done(entry[1])
-                break
-        return result
+        return schedule_step
 
-    scheduler.schedule, scheduler.update_from_output = schedule_step, update_from_output
+    def log_update(update: Callable[..., Any]) -> Callable[..., Any]:
+        def update_from_output(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            result = update(scheduler_output, *args, **kwargs)  # raises: the step stays charged
+            for entry in log.steps:
+                if entry[0] == id(scheduler_output):
+                    log.steps.remove(entry)
+                    if log.on_step_done is not None and entry[1]:
+                        log.on_step_done(entry[1])
+                    break
+            return result
+
+        return update_from_output
+
+    engine_core.watch_scheduler_steps(scheduler, log_schedule, log_update)
     return log
 
 
 def register() -> None:
-    """Plugin entry point. Idempotent; never raises into vLLM."""
+    """Plugin entry point. Idempotent; never raises into vLLM. Off outside ``vlguard serve`` (no state
+    directory in :class:`EngineSettings`)."""
     global _registered
-    if _registered or not os.environ.get(ENV):
+    settings = EngineSettings.from_environ()
+    if _registered or not settings.state_dir:
         return
     _registered = True
-    try:
-        from vllm.v1.engine.core import EngineCoreProc
 
-        original = EngineCoreProc.run_busy_loop
-
+    def record_fatal(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def run_busy_loop(self: Any) -> Any:
-            # Steps in execution at once: 1, or the batch queue's size (pipelined scheduling).
-            log = remember_steps(self.scheduler, max(1, getattr(self, "batch_queue_size", 1) or 1))
+            log = remember_steps(self.scheduler, engine_core.steps_in_execution(self))
             try:
-                from server.guard import soft
+                from server.engine import soft
 
-                soft.install(self, log, soft.SoftPolicy.from_env())
+                soft.install(self, log, soft.SoftPolicy.from_settings(EngineSettings.from_environ()))
             except Exception:
                 logger.exception("vlguard: soft recovery not installed; every step fault rebuilds the engine")
             try:
                 return original(self)
             except Exception as exc:
                 with contextlib.suppress(Exception):
-                    log.blame(exc, list(self.scheduler.requests))
+                    log.blame(exc, engine_core.held_requests(self))
                 step_requests, new_requests = log.in_execution()
-                record = {
-                    "type": type(exc).__name__,
-                    "message": str(exc)[:2000],
-                    "step_requests": step_requests,
-                    "new_requests": new_requests,
-                    "suspects": log.suspects,
-                    "named": bool(log.culprits),
-                }
+                record = FatalRecord(
+                    type=type(exc).__name__,
+                    message=str(exc)[:2000],
+                    step_requests=step_requests,
+                    new_requests=new_requests,
+                    suspects=log.suspects,
+                    named=bool(log.culprits),
+                )
                 try:
-                    fatal_path(os.environ[ENV], os.getpid()).write_text(json.dumps(record))
+                    write_fatal(EngineSettings.from_environ().state_dir, record)
                 except OSError:
                     logger.exception("vlguard: could not record the fatal error")
                 raise
 
-        EngineCoreProc.run_busy_loop = run_busy_loop
+        return run_busy_loop
+
+    try:
+        engine_core.wrap_busy_loop(record_fatal)
     except Exception:
         logger.exception("vlguard: fatal-error recorder not installed")

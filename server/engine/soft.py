@@ -1,6 +1,6 @@
 """Engine-core side of soft recovery: absorb an exception raised inside one engine step, keep the process.
 
-Installed with the fatal recorder (:mod:`server.guard.fatal`, plugin ``vlguard_fatal``) in the engine-core
+Installed with the fatal recorder (:mod:`server.engine.fatal`, plugin ``vlguard_fatal``) in the engine-core
 process, on the engine core's ``step_fn``: the step that schedules, runs the model in the worker (an
 exception there comes back through the executor) and processes the output. When a step raises and
 :class:`SoftPolicy` allows it, :func:`absorb`:
@@ -13,38 +13,33 @@ exception there comes back through the executor) and processes the output. When 
    served again) and the encoder cache (scheduler and workers); the engine core's multimodal processor
    cache is kept (it holds inputs as they arrived, which no step writes; the guard's shadow of it,
    :mod:`server.guard.ipc_cache`, stays valid, and resetting it here would race vLLM's input thread);
-4. writes ``soft-<pid>-<n>.json`` in ``$VLGUARD_STATE_DIR`` (the exception, the failing step's requests,
+4. writes a :class:`~server.engine.protocol.SoftFault` record (the exception, the failing step's requests,
    every request cut), then sends each cut request an ``ERROR`` finish with no tokens.
 
-The API-side guard sees those finishes, reads the record (:meth:`Supervisor.absorb_soft_faults`) and
+The API-side guard sees those finishes, reads the record (:mod:`server.guard.accounting`) and
 carries each cut request over onto the same engine exactly as after a death: replayed when nothing was
 sent, resumed from the tokens sent otherwise, charged and isolated when it was in the failing step.
 The deepstack buffer, the weights, the compiled model and captured graphs are untouched.
 
 Escalation (the exception is re-raised: the engine core dies and the guard rebuilds) is decided by
-:class:`SoftPolicy`. Settings come from the environment the supervisor sets before each build
-(``VLGUARD_SOFT_RECOVERY``, ``VLGUARD_SOFT_RECOVERY_MAX``, ``VLGUARD_SOFT_RECOVERY_WINDOW``).
+:class:`SoftPolicy`, from the :class:`~server.engine.protocol.EngineSettings` the supervisor writes before
+each build.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from server.guard.fatal import ENV as STATE_DIR_ENV
-from server.guard.fatal import StepLog
+from server.engine.fatal import StepLog
+from server.engine.protocol import EngineSettings, SoftFault, request_bases, write_soft_fault
+from server.vllm_hooks import engine_core
 
-ENABLED_ENV = "VLGUARD_SOFT_RECOVERY"
-MAX_ENV = "VLGUARD_SOFT_RECOVERY_MAX"
-WINDOW_ENV = "VLGUARD_SOFT_RECOVERY_WINDOW"
 logger = logging.getLogger("vllm.vlguard.soft")
 
 #: Exceptions after which the device context cannot be trusted (CUDA/ROCm runtime, cuBLAS/cuDNN, NCCL,
@@ -60,12 +55,6 @@ DEVICE_POISON = re.compile(
 def device_poisoned(exc: BaseException) -> bool:
     """Whether ``exc`` reads as a device error that poisons the context (a rebuild is needed)."""
     return bool(DEVICE_POISON.search(f"{type(exc).__name__}: {exc}"))
-
-
-def request_bases(engine_ids: Iterable[str]) -> set[str]:
-    """The API-side request ids behind engine-side ids: ``<request id>-<8 hex>`` loses its suffix (a replay
-    of the same request gets a new one)."""
-    return {rid.rsplit("-", 1)[0] for rid in engine_ids}
 
 
 @dataclass
@@ -90,13 +79,9 @@ class SoftPolicy:
     _suspects: set[str] = field(default_factory=set)
 
     @classmethod
-    def from_env(cls) -> SoftPolicy:
-        """The policy the supervisor asked for (environment variables; defaults when unset)."""
-        return cls(
-            enabled=os.environ.get(ENABLED_ENV, "on").strip().lower() not in ("off", "0", "false", "no"),
-            max_recoveries=int(os.environ.get(MAX_ENV) or 10),
-            window_s=float(os.environ.get(WINDOW_ENV) or 600.0),
-        )
+    def from_settings(cls, settings: EngineSettings) -> SoftPolicy:
+        """The policy the supervisor asked for this engine."""
+        return cls(settings.soft_recovery, settings.soft_recovery_max, settings.soft_recovery_window)
 
     def escalation(self, exc: BaseException, step_requests: Iterable[str], named: bool = False) -> str | None:
         """Why this fault must escalate to a rebuild, or None to absorb it.
@@ -145,79 +130,6 @@ class SoftPolicy:
             self._carried, self._suspects = set(), set()
 
 
-@dataclass(frozen=True)
-class SoftFault:
-    """What an engine core recorded when it absorbed a fault (``soft-<pid>-<n>.json``).
-
-    Attributes:
-        type, message: the exception (message at most 2000 characters).
-        step_requests, new_requests: engine-side ids of the failing step('s requests), as in
-            :class:`server.guard.fatal.FatalRecord`.
-        cut: engine-side ids of every request finished with ``ERROR`` for the guard to carry over.
-        recovery_s: seconds from the exception to the engine accepting work again.
-        suspects: engine-side ids to re-enter one at a time when the fault named no request (see
-            :class:`server.guard.fatal.FatalRecord`).
-        named: whether ``step_requests`` were named by the failing code (not the whole step's).
-    """
-
-    type: str
-    message: str
-    step_requests: list[str]
-    new_requests: list[str]
-    cut: list[str]
-    recovery_s: float
-    suspects: list[str] = field(default_factory=list)
-    named: bool = False
-
-    def describe(self) -> str:
-        """``"<Type>: <message>"``."""
-        return f"{self.type}: {self.message}"
-
-
-def read_soft_faults(state_dir: str | Path, skip: Iterable[str] = ()) -> list[tuple[str, SoftFault]]:
-    """The soft-fault records in ``state_dir`` (an engine's own directory) whose file names are not in
-    ``skip``, oldest first, as ``(file name, record)``. Unreadable files are skipped (read again later)."""
-    seen, found = set(skip), []
-    paths = sorted(Path(state_dir).glob("soft-*.json"), key=lambda p: (len(p.name), p.name))
-    for path in paths:
-        if path.name in seen:
-            continue
-        try:
-            data = json.loads(path.read_text())
-            record = SoftFault(
-                type=str(data["type"]),
-                message=str(data["message"]),
-                step_requests=[str(r) for r in data["step_requests"]],
-                new_requests=[str(r) for r in data["new_requests"]],
-                cut=[str(r) for r in data["cut"]],
-                recovery_s=float(data["recovery_s"]),
-                suspects=[str(r) for r in data.get("suspects") or []],
-                named=bool(data.get("named")),
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        found.append((path.name, record))
-    return found
-
-
-def _synchronize_device(worker: Any) -> bool:
-    """Run in each worker: wait for the device to finish its work (raises on a poisoned context), and drop
-    the model runner's state of a step whose ``execute_model`` ran but whose ``sample_tokens`` never will
-    (the step failed around it: vLLM refuses every later ``execute_model`` while it is set)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    runner = getattr(worker, "model_runner", None)
-    if getattr(runner, "execute_model_state", None) is not None:
-        runner.execute_model_state = None  # type: ignore[union-attr]
-    return True
-
-
-class _Unabsorbable(Exception):
-    pass
-
-
 def absorb(
     core: Any, exc: BaseException, log: StepLog, started: float, seq: int, also_cut: Iterable[tuple[str, int]] = ()
 ) -> SoftFault:
@@ -238,28 +150,12 @@ def absorb(
     Raises:
         Exception: the device check failed or a cache could not be reset: the caller escalates.
     """
-    from vllm.v1.request import RequestStatus
-
-    from server.compat import finished_requests
-
     step_requests, new_requests = log.in_execution()
-    queue = getattr(core, "batch_queue", None)
-    while queue:  # batches still executing in the worker: let them end, their results are dropped
-        future = queue.pop()[0]
-        try:
-            future.result()
-        except Exception:  # the step that raised first is the one recorded
-            continue
-    core.model_executor.collective_rpc(_synchronize_device, timeout=30)
-    scheduler = core.scheduler
-    cut = finished_requests(scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ERROR))
-    cut += _drop_freed_requests(scheduler)
+    engine_core.wait_for_batches(core)  # their results are dropped
+    engine_core.synchronize_workers(core)
+    cut = engine_core.finish_every_request(core)
     cut += [entry for entry in also_cut if entry[0] not in {rid for rid, _ in cut}]
-    if isinstance(prev := getattr(scheduler, "prev_step_scheduled_req_ids", None), set):
-        prev.clear()
-    if not scheduler.reset_prefix_cache():
-        raise _Unabsorbable("the prefix cache could not be reset (blocks still in use)")
-    core.reset_encoder_cache()
+    engine_core.reset_caches(core)
     record = SoftFault(
         type=type(exc).__name__,
         message=str(exc)[:2000],
@@ -270,54 +166,23 @@ def absorb(
         suspects=list(log.suspects),
         named=bool(log.culprits),
     )
-    path = Path(os.environ[STATE_DIR_ENV]) / f"soft-{os.getpid()}-{seq}.json"
-    path.write_text(json.dumps(record.__dict__))  # before the finishes: the guard reads it when one arrives
+    # before the finishes: the guard reads it when one arrives
+    write_soft_fault(EngineSettings.from_environ().state_dir, record, seq)
     log.forget()  # only now: had anything above failed, the fatal record would still charge the step
-    _send_error_finishes(core, cut)
+    engine_core.send_error_finishes(core, cut)
     return record
 
 
-def _drop_freed_requests(scheduler: Any) -> list[tuple[str, int]]:
-    """Requests still queued that the scheduler already freed: ``update_from_output`` frees a request that
-    stopped and removes it from the running list only after its loop, so an exception later in that loop
-    leaves it queued, its final output lost. Removes them from the queues; returns ``(id, client index)``
-    for an ``ERROR`` finish (the guard replays them: their answer never left the engine)."""
-    stale = [r for r in scheduler.running if r.request_id not in scheduler.requests]
-    if stale:
-        scheduler.running = [r for r in scheduler.running if r.request_id in scheduler.requests]
-    for name in ("waiting", "skipped_waiting"):
-        queue = getattr(scheduler, name, None)
-        if queue is None:
-            continue
-        gone = [r for r in queue if r.request_id not in scheduler.requests]
-        if gone:
-            queue.remove_requests(gone)
-            stale += gone
-    return [(r.request_id, r.client_index) for r in stale]
-
-
-def _send_error_finishes(core: Any, cut: list[tuple[str, int]]) -> None:
-    """One ``ERROR`` finish with no tokens per cut request, to the API-side client that sent it."""
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-
-    by_client: dict[int, list[str]] = collections.defaultdict(list)
-    for rid, client in cut:
-        by_client[client].append(rid)
-    for client, rids in by_client.items():
-        outputs = [EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in rids]
-        core.output_queue.put_nowait((client, EngineCoreOutputs(outputs=outputs, finished_requests=set(rids))))
-
-
 def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
-    """Wrap ``core.step_fn`` and ``core.add_request`` (this instance) so that an exception raised while
+    """Wrap ``core.step_fn`` and ``core.add_request`` (this instance,
+    :func:`server.vllm_hooks.engine_core.guard_step_and_admission`) so that an exception raised while
     the engine core admits a request, schedules, runs the model or processes a step's output is absorbed
     where ``policy`` allows it and re-raised otherwise (the engine core then dies as before and the guard
     rebuilds). The fault is charged to the request(s) the failing code named (:meth:`StepLog.blame`).
     Not for pooling models (vLLM's output processor expects their outputs to carry a pooling result)."""
-    if getattr(core, "is_pooling_model", False):
+    if engine_core.is_pooling(core):
         logger.info("vlguard: soft recovery is for generating models; step faults rebuild this engine")
         return
-    step, add_request = core.step_fn, core.add_request
     seq = 0
     log.on_step_done = policy.step_passed
 
@@ -325,7 +190,7 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
         """Absorb ``exc`` or re-raise it."""
         nonlocal seq
         started = time.monotonic()
-        log.blame(exc, list(core.scheduler.requests))
+        log.blame(exc, engine_core.held_requests(core))
         step_requests = log.in_execution()[0]
         why = policy.escalation(exc, step_requests, named=bool(log.culprits))
         if why is not None:
@@ -344,19 +209,24 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
             record.describe()[:300], record.recovery_s, len(record.cut),
         )  # fmt: skip
 
-    def guarded_step() -> Any:
-        try:
-            return step()
-        except Exception as exc:
-            recover(exc)
-            return {}, False
+    def guard_step(step: Callable[[], Any]) -> Callable[[], Any]:
+        def guarded_step() -> Any:
+            try:
+                return step()
+            except Exception as exc:
+                recover(exc)
+                return {}, False
 
-    def guarded_add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return add_request(request, *args, **kwargs)
-        except Exception as exc:
-            recover(exc, [(request.request_id, request.client_index)])
-            return None
+        return guarded_step
 
-    core.step_fn = guarded_step
-    core.add_request = guarded_add_request
+    def guard_admission(add_request: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded_add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return add_request(request, *args, **kwargs)
+            except Exception as exc:
+                recover(exc, [(request.request_id, request.client_index)])
+                return None
+
+        return guarded_add_request
+
+    engine_core.guard_step_and_admission(core, guard_step, guard_admission)

@@ -1,0 +1,152 @@
+"""The one layer that touches vLLM's internals: every vLLM function vlguard wraps or replaces, every vLLM
+name it imports that moved between versions or is private, and the instance attributes it reaches into.
+
+Outside this package vlguard uses vLLM's public surface only (its engine arguments, ``AsyncLLM``, the
+serving classes and routers, ``SamplingParams``) and the hooks below, by name. When vLLM moves, this is
+what to check; ``tests/unit/test_vllm_contract.py`` checks every target of :data:`TARGETS` on each vLLM
+lane, and each hook raises :class:`HookTargetMissing` where its target is gone (start-up fails loudly;
+a hook never silently does nothing).
+
+- :mod:`.locations`: where names that moved live (the argument parser, the error envelope, the app state,
+  the processor-cache factories), newest vLLM first;
+- :mod:`.engine_core`: the engine core's busy loop, step and admission, its scheduler's step, and the
+  operations soft recovery needs (engine-core process);
+- :mod:`.async_llm`: the API process's ``AsyncLLM``: its engine-core output stream, output processing,
+  renderer, engine-core processes, and the completion route's request rendering;
+- :mod:`.processes`: how vLLM starts its engine processes (the spare's hand-over);
+- :mod:`.models`: the model registry's class loading and method replacement on model classes (the
+  deepstack backports, which stay probe-based: :mod:`server.patches.detect`), and the compile cache load;
+- :mod:`.processor_cache`: vLLM's multimodal processor cache in the form replays survive (a vLLM plugin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: Set on every wrapper a hook installs: a second install of the same hook is a no-op.
+MARK = "__vlguard_hook__"
+
+
+class HookTargetMissing(ImportError):
+    """A hook's vLLM target is not where the hook expects it: an unsupported vLLM version."""
+
+
+def wrap(owner: Any, name: str, make: Callable[[Any], Any], target: str, once: bool = True) -> Any:
+    """Replace ``owner.name`` (a class, a module or an instance) by ``make(original)``.
+
+    Arguments:
+        owner: what holds the function.
+        name: the attribute.
+        make: builds the replacement from the original.
+        target: the qualified vLLM name, for the error.
+        once: a second call finds the first replacement and installs nothing (for classes and modules,
+            whose hooks are per process); False wraps again (an instance's hooks close over its state).
+
+    Returns:
+        The original (the installed replacement's original when it was already installed).
+    Raises:
+        HookTargetMissing: ``owner`` has no such attribute.
+    """
+    original = getattr(owner, name, None)
+    if original is None:
+        raise HookTargetMissing(f"{target} not found: unsupported vLLM version")
+    if once and getattr(original, MARK, False):
+        return getattr(original, "__wrapped__", original)
+    replacement = make(original)
+    try:
+        setattr(replacement, MARK, True)
+        if getattr(replacement, "__wrapped__", None) is None:
+            replacement.__wrapped__ = original
+    except (AttributeError, TypeError):  # a bound method or builtin: the replacement stays unmarked
+        pass
+    setattr(owner, name, replacement)
+    return original
+
+
+@dataclass(frozen=True)
+class Target:
+    """One vLLM function a hook wraps or replaces.
+
+    Attributes:
+        module: where vLLM defines it.
+        qualname: ``Class.method`` or ``function``.
+        params: the parameters the hook passes or reads.
+        hook: the vlguard function that hooks it (``module:function``).
+        versions: the vLLM versions it was checked on.
+    """
+
+    module: str
+    qualname: str
+    params: tuple[str, ...]
+    hook: str
+    versions: str = "0.20.0-0.34.0"
+
+
+@dataclass(frozen=True)
+class InstanceAttribute:
+    """An attribute of a vLLM object that vlguard reads or replaces (set in the class's ``__init__``)."""
+
+    module: str
+    cls: str
+    attr: str
+    hook: str
+
+
+CORE, SCHED, KV = "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.core.kv_cache_manager"
+QWEN, QWEN_VL = "vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"
+_EC, _AL, _MD = "server.vllm_hooks.engine_core", "server.vllm_hooks.async_llm", "server.vllm_hooks.models"
+
+#: Every vLLM function a hook wraps, replaces or relies on the shape of.
+TARGETS: tuple[Target, ...] = (
+    Target(CORE, "EngineCoreProc.run_busy_loop", ("self",), f"{_EC}:wrap_busy_loop"),
+    Target(CORE, "EngineCore.add_request", ("self", "request"), f"{_EC}:guard_step_and_admission"),
+    Target(CORE, "EngineCore.step", ("self",), f"{_EC}:guard_step_and_admission (step_fn: step or its twin)"),
+    Target(CORE, "EngineCore.reset_encoder_cache", ("self",), f"{_EC}:reset_caches"),
+    Target(SCHED, "Scheduler.schedule", ("self",), f"{_EC}:watch_scheduler_steps"),
+    Target(SCHED, "Scheduler.update_from_output", ("self", "scheduler_output"), f"{_EC}:watch_scheduler_steps"),
+    Target(SCHED, "Scheduler.finish_requests", ("self",), f"{_EC}:finish_every_request"),
+    Target(SCHED, "Scheduler._update_after_schedule", ("self", "scheduler_output"), "server.alignment.scheduler"),
+    Target(SCHED, "Scheduler._try_schedule_encoder_inputs", ("self", "request"), "server.alignment.scheduler"),
+    Target(
+        KV, "KVCacheManager.allocate_slots", ("self", "request", "delay_cache_blocks"), "server.alignment.scheduler"
+    ),
+    Target(KV, "KVCacheManager.cache_blocks", ("self", "request"), "server.alignment (delayed prefix caching)"),
+    Target(
+        "vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", ("self",), f"{_AL}:wrap_output_processing"
+    ),
+    Target(
+        "vllm.model_executor.models.registry",
+        "_ModelRegistry._try_load_model_cls",
+        ("self", "model_arch"),
+        f"{_MD}:on_model_class_load",
+    ),
+    Target("vllm.v1.executor.multiproc_executor", "get_mp_context", (), "server.vllm_hooks.processes:route_starts"),
+    Target("vllm.v1.engine.utils", "get_mp_context", (), "server.vllm_hooks.processes:route_starts"),
+    Target(
+        "vllm.entrypoints.openai.completion.serving",
+        "OpenAIServingCompletion.render_completion_request",
+        ("self", "request"),
+        f"{_AL}:wrap_completion_rendering",
+    ),
+    Target(QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)"),
+    Target(QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)"),
+    Target(QWEN, f"{QWEN_VL}._clear_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)"),
+)
+
+#: Every attribute of a vLLM object a hook reads or replaces per instance.
+INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
+    InstanceAttribute(CORE, "EngineCore", "step_fn", f"{_EC}:guard_step_and_admission"),
+    InstanceAttribute(CORE, "EngineCore", "scheduler", f"{_EC}: step log, cut requests"),
+    InstanceAttribute(CORE, "EngineCore", "model_executor", f"{_EC}:synchronize_workers"),
+    InstanceAttribute(CORE, "EngineCoreProc", "output_queue", f"{_EC}:send_error_finishes"),
+    InstanceAttribute(SCHED, "Scheduler", "requests", f"{_EC}: what the scheduler holds"),
+    InstanceAttribute(SCHED, "Scheduler", "kv_cache_manager", "server.alignment"),
+    InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "renderer", f"{_AL}: the serving renderer"),
+    InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "output_processor", f"{_AL}:output_processor_of"),
+)
+
+#: Where vLLM's GPU model runner lives, newest first (0.34: a package of its own); soft recovery clears
+#: its ``execute_model_state`` after a failed step (:func:`server.vllm_hooks.engine_core.synchronize_workers`).
+GPU_MODEL_RUNNERS = ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner")

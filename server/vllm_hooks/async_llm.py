@@ -1,0 +1,151 @@
+"""Hooks on vLLM's ``AsyncLLM`` and its serving classes (API process).
+
+- the engine-core output stream: the hang clock's signal (:func:`on_engine_core_output`);
+- output processing: one request's fault confined to it (:func:`wrap_output_processing`,
+  :func:`deliver_fault`);
+- the renderer every engine of a server serves with (:class:`ServingRenderer`);
+- the engine-core processes, and what stopping a dead engine takes (:func:`engine_core_pids`,
+  :func:`stop_engine_clients`);
+- the completion route's request rendering (:func:`wrap_completion_rendering`).
+
+Targets and the attributes read are listed in :data:`server.vllm_hooks.TARGETS` and
+:data:`server.vllm_hooks.INSTANCE_ATTRIBUTES`; checked on vLLM 0.20.0, 0.22.1, 0.32.0 and 0.34.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from server.vllm_hooks import wrap
+
+#: vLLM's AsyncLLM, or a test's fake with the same surface.
+Engine = Any
+
+
+def engine_core_pids(engine: Engine) -> list[int]:
+    """PIDs of the engine-core processes of an ``AsyncLLM``
+    (``engine.engine_core.resources.engine_manager.processes``; empty when not found: a fake engine)."""
+    with contextlib.suppress(AttributeError):
+        manager = engine.engine_core.resources.engine_manager
+        return [p.pid for p in manager.processes if p.pid is not None]
+    return []
+
+
+def on_engine_core_output(engine: Engine, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` each time the API process receives one batch of outputs from the engine core.
+
+    Wraps ``engine.engine_core.get_output_async`` on the instance (``AsyncLLM``'s output handler looks it
+    up on every iteration; vLLM 0.20.0-0.34.0).
+
+    Returns:
+        ``False`` when ``engine`` has no engine-core client (a test's fake engine): nothing wrapped.
+    """
+    client = getattr(engine, "engine_core", None)
+    if getattr(client, "get_output_async", None) is None:
+        return False
+
+    def signal(receive: Callable[..., Any]) -> Callable[..., Any]:
+        async def get_output_async(*args: Any, **kwargs: Any) -> Any:
+            outputs = await receive(*args, **kwargs)
+            callback()
+            return outputs
+
+        return get_output_async
+
+    wrap(client, "get_output_async", signal, "EngineCoreClient.get_output_async", once=False)
+    return True
+
+
+def output_processor_of(engine: Engine) -> Any:
+    """``engine.output_processor`` (vLLM's ``OutputProcessor``), or None (a test's fake engine)."""
+    return getattr(engine, "output_processor", None)
+
+
+def wrap_output_processing(processor: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``processor.process_outputs(engine_core_outputs, ...)`` (vLLM's ``OutputProcessor``, this
+    instance) by ``make(original)``.
+
+    Raises:
+        HookTargetMissing: no such method (an unsupported vLLM version).
+    """
+    wrap(processor, "process_outputs", make, "OutputProcessor.process_outputs", once=False)
+
+
+def deliver_fault(processor: Any, request_id: str, fault: BaseException) -> bool:
+    """Put ``fault`` in ``request_id``'s output queue (its ``RequestState.queue``): vLLM's ``generate()``
+    then aborts the request in the engine core and raises it. Returns False when the request has no
+    queue (finished meanwhile, or an ``LLMEngine``'s)."""
+    state = processor.request_states.get(request_id)
+    if state is None or getattr(state, "queue", None) is None:
+        return False
+    state.queue.put(fault)
+    return True
+
+
+def is_processing(processor: Any, request_id: str) -> bool:
+    """Whether the output processor still tracks ``request_id`` (not finished, not aborted)."""
+    return request_id in processor.request_states
+
+
+class ServingRenderer:
+    """The one renderer vLLM's serving classes use, whichever engine is current.
+
+    vLLM's serving classes render every request with the first engine's renderer (tokenizer, chat template,
+    multimodal processor and its processor cache); a rebuilt engine's output handler, started by its first
+    request, reports the cache statistics of ``engine.renderer`` (``vllm:mm_cache_*``): :meth:`adopt`
+    points that at the renderer in use. A rebuilt engine's own renderer stays with its input processor and
+    is shut down with the engine (:meth:`release`).
+    """
+
+    def __init__(self) -> None:
+        self.renderer: object | None = None
+
+    def adopt(self, engine: Engine) -> None:
+        """A new engine serves with the serving renderer (the first engine's becomes it)."""
+        if self.renderer is not None:
+            engine.renderer = self.renderer
+
+    def keep(self, engine: Engine) -> None:
+        """``engine`` is the first to serve: its renderer is the serving one from now on."""
+        if self.renderer is None:
+            self.renderer = engine.renderer
+
+    def release(self, engine: Engine) -> None:
+        """Before ``engine`` is shut down: detach the serving renderer (``AsyncLLM.shutdown``, which its
+        ``__del__`` also runs, would stop its executors under the serving classes) and shut down the
+        engine's own renderer, if it has one besides."""
+        if engine.renderer is self.renderer:
+            engine.renderer = None  # AsyncLLM.shutdown skips None
+        self.shutdown_own(engine)
+
+    def shutdown_own(self, engine: Engine) -> None:
+        """Shut down the renderer ``engine`` built for itself when it serves with another (a rebuilt
+        engine: :meth:`adopt`; ``engine.input_processor.renderer``); ``AsyncLLM.shutdown`` only stops
+        ``engine.renderer``."""
+        own = getattr(getattr(engine, "input_processor", None), "renderer", None)
+        if own is not None and own is not self.renderer and own is not engine.renderer:
+            with contextlib.suppress(Exception):
+                own.shutdown()
+
+
+async def stop_engine_clients(engine: Engine) -> None:
+    """After its engine core died: cancel ``engine``'s output handler task and shut its engine-core client
+    down (its sockets; off the event loop). Never raises."""
+    if (handler := getattr(engine, "output_handler", None)) is not None:
+        handler.cancel()
+    if (core := getattr(engine, "engine_core", None)) is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(core.shutdown)
+
+
+def wrap_completion_rendering(serving: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``render_completion_request(request, ...)`` of vLLM's ``OpenAIServingCompletion`` instance
+    ``serving`` by ``make(original)``.
+
+    Raises:
+        HookTargetMissing: ``serving`` has no such method (an unsupported vLLM version).
+    """
+    wrap(serving, "render_completion_request", make, "OpenAIServingCompletion.render_completion_request", once=False)
