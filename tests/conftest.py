@@ -24,6 +24,7 @@ import pytest
 
 from tests.docker_image import ImageBuild, docker_answers
 from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire, vlguard_argv, wait_retired
+from tests.suites import marks_lane
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
 EAGER_ADMIT_WORD = " Gossamerquincemarker"  # the scheduler raises admitting it (a fault outside any model step)
@@ -98,6 +99,12 @@ _EARLY_IMAGE: list[ImageBuild] = []
 def early_image_build() -> ImageBuild | None:
     """The image build started at the end of collection, if any (handed out once)."""
     return _EARLY_IMAGE.pop() if _EARLY_IMAGE else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if marks_lane(Path(item.path)):
+            item.add_marker(pytest.mark.lane)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

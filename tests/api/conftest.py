@@ -20,11 +20,9 @@ HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if HERE in Path(item.path).parents:
-            item.add_marker(pytest.mark.lane)
-            if pytest_asyncio.is_async_test(item):
-                item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
+    for item in items:  # every lane runs them: tests/lanes.py
+        if HERE in Path(item.path).parents and pytest_asyncio.is_async_test(item):
+            item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,11 @@
-"""The unit modules the other lanes skip (``tests/unit/conftest.py``, ``NO_VLLM``) load no vLLM."""
+"""The unit modules the other lanes skip (``tests/suites.py``, ``NO_VLLM``) load no vLLM."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from tests.unit.conftest import NO_VLLM
+from tests.suites import NO_VLLM
 
 
 def test_the_modules_other_lanes_skip_import_no_vllm() -> None:

@@ -1,0 +1,43 @@
+"""Which tests each lane runs (``make test SUITE=full|lane|front``), decided here and nowhere else: the
+``lane`` marker by folder (:func:`marks_lane`), and the unit modules the other lanes skip. Imports no vLLM
+(the root ``conftest`` reads it at collection on every lane)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Unit modules of vlguard's own logic that import no vLLM (checked: a run of each alone leaves ``vllm``
+#: out of ``sys.modules``, ``tests/unit/test_lane_split.py``): another lane would only repeat them, so the
+#: default lane (SUITE=full) runs them alone.
+NO_VLLM = frozenset(
+    {
+        "test_alignment_plan.py",
+        "test_decode_pool.py",
+        "test_devmodel.py",
+        "test_errors.py",
+        "test_fatal.py",
+        "test_input_guard.py",
+        "test_lane_split.py",
+        "test_kill_tree.py",
+        "test_media.py",
+        "test_metrics_doc.py",
+        "test_output_faults.py",
+        "test_parent_watch.py",
+        "test_phase_trace.py",
+        "test_pixels.py",
+        "test_poison.py",
+        "test_spare.py",
+        "test_workload.py",
+    }
+)
+
+TESTS = Path(__file__).parent
+#: Folders every engine lane runs whole (``lane`` marker), but for ``NO_VLLM`` in ``unit``: the unit tests
+#: that touch vLLM and the in-process API tests (vLLM's front end differs between lanes).
+LANE_FOLDERS = (TESTS / "unit", TESTS / "api")
+
+
+def marks_lane(path: Path) -> bool:
+    """Whether the test module at ``path`` belongs to every lane's focused suite by its folder (others mark
+    their tests ``lane`` one by one)."""
+    return any(folder in path.parents for folder in LANE_FOLDERS) and path.name not in NO_VLLM
