@@ -135,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``vlguard`` console script and ``python -m server``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # a client: imports no vLLM
-        from server.workload.cli import main as bench_main
-
+        try:
+            from server.workload.cli import main as bench_main
+        except ModuleNotFoundError as exc:  # the bench's own dependencies are an extra
+            sys.exit(f"vlguard bench needs the bench extra: pip install 'vlguard[bench]' (missing: {exc.name})")
         sys.exit(bench_main(argv[1:]))
     if "--print-config" in argv:
         # stdout carries the JSON alone; vLLM logs to stdout unless told otherwise.

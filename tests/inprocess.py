@@ -34,16 +34,12 @@ class EngineParts:
 
     @classmethod
     def build(cls, model: Path) -> EngineParts:
-        from vllm.usage.usage_lib import UsageContext
+        """As ``vlguard serve`` builds them (the processor cache in its replay-safe form)."""
+        from server.workload.front import api_side_parts
 
-        from server.serve import engine_args
-        from server.vllm_hooks import processor_cache as replay_cache
-        from server.vllm_hooks.locations import build_renderer_and_input_processor
-
-        replay_cache.install()  # as vlguard serve does: the processor cache in its replay-safe form
-        args, settings = serve_args(str(model))
-        vllm_config = engine_args(args, settings).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        renderer, input_processor = build_renderer_and_input_processor(vllm_config)
+        _, _, vllm_config, renderer, input_processor = api_side_parts(
+            str(model), ["--config", str(TINY_PROFILE)], guard=True
+        )
         return cls(str(model), vllm_config, renderer, input_processor)
 
     def engine_attributes(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ NO_VLLM = frozenset(
         "test_fatal.py",
         "test_input_guard.py",
         "test_lane_split.py",
+        "test_layout.py",
         "test_kill_tree.py",
         "test_media.py",
         "test_metrics_doc.py",

@@ -104,10 +104,11 @@ class NullEngine:
         return None
 
 
-def _parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, NullEngine]:
-    """``(args, settings, engine)``: the serve arguments as ``vlguard serve`` parses them, and a null
-    engine over the configuration, renderer and input processor ``AsyncLLM`` would build in this process
-    (vlguard's form of the processor cache when ``guard``)."""
+def api_side_parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, Any, Any, Any]:
+    """``(args, settings, vllm_config, renderer, input_processor)``: the serve arguments as ``vlguard serve``
+    parses them, and what ``AsyncLLM`` would build in this process over them (vlguard's engine arguments
+    and its form of the processor cache when ``guard``; vLLM's own otherwise). Shared with the in-process
+    API tests (``tests/inprocess.py``)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
 
@@ -123,6 +124,12 @@ def _parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, NullEng
     built = engine_args(args, settings) if guard else AsyncEngineArgs.from_cli_args(args)
     vllm_config = built.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     renderer, input_processor = build_renderer_and_input_processor(vllm_config)
+    return args, settings, vllm_config, renderer, input_processor
+
+
+def _parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any, NullEngine]:
+    """``(args, settings, engine)``: :func:`api_side_parts` with a null engine over them."""
+    args, settings, vllm_config, renderer, input_processor = api_side_parts(model, flags, guard)
     return args, settings, NullEngine(vllm_config, renderer, input_processor)
 
 

@@ -54,8 +54,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import IO, Any, NamedTuple
 
 from server.vllm_hooks import wrap
-
-ENV = "VLGUARD_PHASE_TRACE"
+from server.workload import PHASE_TRACE_ENV as ENV
 
 _ID = re.compile(r"phase-[0-9a-f]{16}")
 _CONTENT = re.compile(r'"content":"[^"]')  # a chunk whose delta has text (what the client times)
