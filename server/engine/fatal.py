@@ -178,8 +178,7 @@ def register() -> None:
     """Plugin entry point. Idempotent; never raises into vLLM. Off outside ``vlguard serve`` (no state
     directory in :class:`EngineSettings`)."""
     global _registered
-    settings = EngineSettings.from_environ()
-    if _registered or not settings.state_dir:
+    if _registered or not EngineSettings.state_dir_of():
         return
     _registered = True
 
@@ -207,7 +206,7 @@ def register() -> None:
                     named=bool(log.culprits),
                 )
                 try:
-                    write_fatal(EngineSettings.from_environ().state_dir, record)
+                    write_fatal(EngineSettings.state_dir_of(), record)
                 except OSError:
                     logger.exception("vlguard: could not record the fatal error")
                 raise

@@ -102,9 +102,20 @@ class EngineSettings:
         """Write the variables (before building the engine they are meant for)."""
         environ.update(self.environ())
 
+    @staticmethod
+    def state_dir_of(environ: Mapping[str, str] = os.environ) -> str:
+        """The engine's state directory alone ("" outside ``vlguard serve``): what the engine-side hooks
+        need to decide whether to install, readable before the rest is written (the API process loads the
+        plugins before its first build writes the soft-recovery policy)."""
+        return environ.get(STATE_DIR_ENV, "")
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> EngineSettings:
-        """What the API process wrote (defaults where unset)."""
+        """What the API process wrote (defaults where unset).
+
+        Raises:
+            ValueError: a number that does not parse.
+        """
         return cls(
             state_dir=environ.get(STATE_DIR_ENV, ""),
             soft_recovery=_on(environ.get(SOFT_RECOVERY_ENV), True),
@@ -214,13 +225,19 @@ class SoftFault:
         return f"{self.type}: {self.message}"
 
 
+def _directory(directory: str | Path) -> Path:
+    if not str(directory):
+        raise OSError("no state directory (not an engine of vlguard serve)")
+    return Path(directory)
+
+
 def write_fatal(directory: str | Path, record: FatalRecord, pid: int | None = None) -> Path:
     """Write ``record`` as this (or ``pid``'s) engine core's fatal record in ``directory``.
 
     Raises:
-        OSError: the file could not be written.
+        OSError: the file could not be written, or ``directory`` is empty.
     """
-    path = Path(directory) / f"fatal-{pid or os.getpid()}.json"
+    path = _directory(directory) / f"fatal-{pid or os.getpid()}.json"
     path.write_text(json.dumps(asdict(record)))
     return path
 
@@ -247,9 +264,9 @@ def write_soft_fault(directory: str | Path, record: SoftFault, seq: int) -> Path
     """Write ``record`` as this engine core's ``seq``-th soft-fault record in ``directory``.
 
     Raises:
-        OSError: the file could not be written.
+        OSError: the file could not be written, or ``directory`` is empty.
     """
-    path = Path(directory) / f"soft-{os.getpid()}-{seq}.json"
+    path = _directory(directory) / f"soft-{os.getpid()}-{seq}.json"
     path.write_text(json.dumps(asdict(record)))
     return path
 

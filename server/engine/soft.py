@@ -167,7 +167,7 @@ def absorb(
         named=bool(log.culprits),
     )
     # before the finishes: the guard reads it when one arrives
-    write_soft_fault(EngineSettings.from_environ().state_dir, record, seq)
+    write_soft_fault(EngineSettings.state_dir_of(), record, seq)
     log.forget()  # only now: had anything above failed, the fatal record would still charge the step
     engine_core.send_error_finishes(core, cut)
     return record
@@ -184,7 +184,6 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
         logger.info("vlguard: soft recovery is for generating models; step faults rebuild this engine")
         return
     seq = 0
-    log.on_step_done = policy.step_passed
 
     def recover(exc: Exception, also_cut: Iterable[tuple[str, int]] = ()) -> None:
         """Absorb ``exc`` or re-raise it."""
@@ -230,3 +229,4 @@ def install(core: Any, log: StepLog, policy: SoftPolicy) -> None:
         return guarded_add_request
 
     engine_core.guard_step_and_admission(core, guard_step, guard_admission)
+    log.on_step_done = policy.step_passed  # only once both are wrapped (neither is, when one is missing)

@@ -279,7 +279,7 @@ def _spare_main(
         try:
             install(processes.WORKER_STARTER)
             arm(worker, WORKER_PROCESS, wait_ready_s=WORKER_WAIT_READY_S)
-        except ImportError:
+        except (ImportError, AttributeError):
             logger.warning("spare: this vLLM starts its workers elsewhere; the worker is spawned", exc_info=True)
             worker.end()
     target(**kwargs)

@@ -121,7 +121,7 @@ class SpareKeeper:
                 return
             install(processes.ENGINE_CORE_STARTER)
             arm(self.spare, CORE_PROCESS)
-        except ImportError:
+        except (ImportError, AttributeError):
             logger.warning("this vLLM starts its engine core elsewhere: no spare is used", exc_info=True)
         finally:
             self._lock.release()

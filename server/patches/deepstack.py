@@ -181,7 +181,6 @@ def is_patched(cls: type, method: str) -> bool:
     return getattr(cls, method, None) is REPLACEMENTS[method]
 
 
-#: Attribute on a patched class holding the methods it had before (for :func:`restore`).
 def apply(cls: type, patches: list[str]) -> list[str]:
     """Replace the deepstack methods of ``cls`` that ``patches`` cover (idempotent); the class's own are
     kept for :func:`restore` (:func:`server.vllm_hooks.models.replace_methods`).

@@ -13,7 +13,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from server.vllm_hooks import wrap
+from server.vllm_hooks import HookTargetMissing, wrap
 from server.vllm_hooks.locations import finished_requests
 
 
@@ -71,8 +71,11 @@ def guard_step_and_admission(
     ``__init__``) and ``core.add_request(request, ...)`` on this engine core by ``make_*(original)``.
 
     Raises:
-        HookTargetMissing: the engine core lacks either.
+        HookTargetMissing: the engine core lacks either (then neither is wrapped).
     """
+    for name in ("step_fn", "add_request"):
+        if getattr(core, name, None) is None:
+            raise HookTargetMissing(f"EngineCore.{name} not found: unsupported vLLM version")
     wrap(core, "step_fn", make_step, "EngineCore.step_fn", once=False)
     wrap(core, "add_request", make_add_request, "EngineCore.add_request", once=False)
 

@@ -384,3 +384,25 @@ def test_a_named_fault_of_a_carried_request_is_its_own_and_absorbed() -> None:
     assert policy.escalation(ValueError("x"), ["poison2-1111bbbb"], named=True) is None
     # Unnamed, the same step would read as a broken engine (the carried request fails without a suspect).
     assert policy.escalation(ValueError("x"), ["poison2-1111bbbb"]) is not None
+
+
+def test_a_record_without_a_state_directory_is_refused_not_written_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside ``vlguard serve`` (no state directory) a record cannot be written: soft recovery escalates
+    instead of leaving files in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    record = protocol.SoftFault("ValueError", "m", [], [], [], 0.0)
+    with pytest.raises(OSError, match="no state directory"):
+        protocol.write_soft_fault("", record, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plugin_reads_only_the_state_directory_before_the_first_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM loads the plugins before the supervisor writes the policy: a stale, unparsable value left in the
+    environment must not stop the start (the build overwrites it)."""
+    monkeypatch.setenv(protocol.SOFT_RECOVERY_WINDOW_ENV, "abc")
+    monkeypatch.setenv(protocol.STATE_DIR_ENV, "/somewhere")
+    assert EngineSettings.state_dir_of() == "/somewhere"
+    with pytest.raises(ValueError):
+        EngineSettings.from_environ()
