@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -192,11 +193,13 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         could not be restarted, 0 otherwise. A SIGTERM/SIGINT does not return: after the shutdown the
         process ends by that signal (status 143 / 130), as uvicorn does.
     """
+    import vllm
     from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
     from server.guard.spare import SpareKeeper
     from server.guard.supervisor import EngineState, Supervisor, build_async_llm
+    from server.vllm_hooks import missing_hooks
     from server.vllm_hooks import processor_cache as replay_cache
 
     _configure_logging()
@@ -232,7 +235,14 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     state_dir = new_state_dir()
     os.environ[STATE_DIR_ENV] = state_dir
     parent_watch.enable_for_children()  # engine processes end when this process is gone, however it ends
-    factory = functools.partial(build_async_llm, engine_args(args, settings))
+    factory = functools.partial(build_async_llm, engine_args(args, settings))  # vLLM loads its plugins here
+    if missing := missing_hooks():  # the plugins ran in this process too: a hook that found nothing
+        for target, why in missing.items():
+            logger.critical("vlguard cannot hook vLLM %s: %s", target, why)
+        logger.critical("vLLM %s is not supported by this vlguard (docs/architecture.md)", vllm.__version__)
+        sock.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        return EXIT_STARTUP_FAILED
     spares = SpareKeeper() if settings.spare else None
     supervisor = Supervisor(factory, settings, state_dir=state_dir, reap_children=True, spares=spares)
     app = create_app(args, settings, supervisor)

@@ -116,13 +116,14 @@ class GuardSettings(BaseSettings):
     resident on the CPU build)."""
 
     soft_recovery_max: int = Field(default=10, ge=0)
-    """Soft recoveries of faults charged to no request allowed within ``restart_window`` seconds; the next
-    such fault rebuilds the engine. Faults charged to requests are theirs (quarantine, client budget)."""
+    """Soft recoveries allowed within ``restart_window`` seconds; the next fault rebuilds the engine. A
+    fault charged to exactly one request does not count (it is that request's: quarantine, client budget);
+    one charged to a whole step of several requests, or to nobody, does."""
 
     restart_max: int = Field(default=5, ge=0)
     """In-process engine restarts allowed within ``restart_window`` seconds; one more and the process
-    exits non-zero so systemd or Docker restart it. A rebuild after a fault charged to requests (a poison
-    input that killed its worker) does not count."""
+    exits non-zero so systemd or Docker restart it. A rebuild after a fault charged to exactly one request
+    (a poison input that killed its worker) does not count."""
 
     client_fault_max: int = Field(default=10, ge=0)
     """Engine faults charged with certainty to one client's requests (API key when the server has keys,

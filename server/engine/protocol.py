@@ -10,6 +10,9 @@ Both sides import this module and nothing of each other. It holds:
 - **the records**: :class:`FatalRecord` (``fatal-<pid>.json``, written by the engine core before it dies)
   and :class:`SoftFault` (``soft-<pid>-<n>.json``, written when it absorbed a step fault), each with its
   writer and reader;
+- **the cut**: a request soft recovery cut reaches the API side as an ``ERROR`` finish with no tokens,
+  sent only after its :class:`SoftFault` record is written (the API side reads the records when such a
+  finish arrives; any other ``ERROR`` finish is vLLM's own);
 - **request ids**: vLLM's engine-side id of an API-side request is ``<request id>-<8 hex>`` and
   ``<index>_<request id>-<8 hex>`` for the samples of an ``n > 1`` request (:func:`request_bases`,
   :func:`api_ids`).

@@ -4,8 +4,12 @@ name it imports that moved between versions or is private, and the instance attr
 Outside this package vlguard uses vLLM's public surface only (its engine arguments, ``AsyncLLM``, the
 serving classes and routers, ``SamplingParams``) and the hooks below, by name. When vLLM moves, this is
 what to check; ``tests/unit/test_vllm_contract.py`` checks every target of :data:`TARGETS` on each vLLM
-lane, and each hook raises :class:`HookTargetMissing` where its target is gone (start-up fails loudly;
-a hook never silently does nothing).
+lane, and each hook raises :class:`HookTargetMissing` where its target is gone. The per-process hooks
+(on classes and modules) are installed in the API process too, when vLLM loads vlguard's plugins there;
+``vlguard serve`` then refuses to start when one of them found nothing (:func:`missing_hooks`), rather
+than serve without its fatal recorder, soft recovery or backports. A per-instance hook whose object
+lacks the target raises where the engine is built (a rebuild then fails, and the restart budget ends
+the process).
 
 - :mod:`.locations`: where names that moved live (the argument parser, the error envelope, the app state,
   the processor-cache factories), newest vLLM first;
@@ -33,6 +37,30 @@ class HookTargetMissing(ImportError):
     """A hook's vLLM target is not where the hook expects it: an unsupported vLLM version."""
 
 
+#: per-process hooks (``once``) whose target was missing in this process: target -> message
+_missing: dict[str, str] = {}
+
+
+def missing_hooks() -> dict[str, str]:
+    """What vlguard cannot hook in the installed vLLM (``{target: why}``): every start-up target of
+    :data:`TARGETS` that is not there (:func:`preflight`), and every per-process hook that found nothing
+    in this process, however its caller handled it (the plugins log and go on)."""
+    return {**preflight(), **_missing}
+
+
+def preflight() -> dict[str, str]:
+    """The start-up targets of :data:`TARGETS` the installed vLLM lacks (``{target: why}``; imports the
+    modules that define them)."""
+    missing = {}
+    for target in TARGETS:
+        if target.at_start:
+            try:
+                target.resolve()
+            except HookTargetMissing as exc:
+                missing[f"{target.module}.{target.qualname}"] = str(exc)
+    return missing
+
+
 def wrap(owner: Any, name: str, make: Callable[[Any], Any], target: str, once: bool = True) -> Any:
     """Replace ``owner.name`` (a class, a module or an instance) by ``make(original)``.
 
@@ -51,7 +79,10 @@ def wrap(owner: Any, name: str, make: Callable[[Any], Any], target: str, once: b
     """
     original = getattr(owner, name, None)
     if original is None:
-        raise HookTargetMissing(f"{target} not found: unsupported vLLM version")
+        message = f"{target} not found: unsupported vLLM version"
+        if once:
+            _missing[target] = message
+        raise HookTargetMissing(message)
     if once and getattr(original, MARK, False):
         return getattr(original, "__wrapped__", original)
     replacement = make(original)
@@ -75,6 +106,8 @@ class Target:
         params: the parameters the hook passes or reads.
         hook: the vlguard function that hooks it (``module:function``).
         versions: the vLLM versions it was checked on.
+        at_start: checked by ``vlguard serve`` before it builds an engine (:func:`preflight`); the
+            deepstack methods are not (the backports probe each model class as it loads).
     """
 
     module: str
@@ -82,6 +115,23 @@ class Target:
     params: tuple[str, ...]
     hook: str
     versions: str = "0.20.0-0.34.0"
+    at_start: bool = True
+
+    def resolve(self) -> Any:
+        """The installed vLLM's target.
+
+        Raises:
+            HookTargetMissing: it is not there.
+        """
+        import importlib
+
+        try:
+            found: Any = importlib.import_module(self.module)
+            for part in self.qualname.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError) as exc:
+            raise HookTargetMissing(f"{self.module}.{self.qualname} not found ({exc})") from exc
+        return found
 
 
 @dataclass(frozen=True)
@@ -107,6 +157,8 @@ TARGETS: tuple[Target, ...] = (
     Target(SCHED, "Scheduler.schedule", ("self",), f"{_EC}:watch_scheduler_steps"),
     Target(SCHED, "Scheduler.update_from_output", ("self", "scheduler_output"), f"{_EC}:watch_scheduler_steps"),
     Target(SCHED, "Scheduler.finish_requests", ("self",), f"{_EC}:finish_every_request"),
+    Target(SCHED, "Scheduler.reset_prefix_cache", ("self",), f"{_EC}:reset_caches"),
+    Target("vllm.v1.engine.core_client", "AsyncMPClient.get_output_async", ("self",), f"{_AL}:on_engine_core_output"),
     Target(SCHED, "Scheduler._update_after_schedule", ("self", "scheduler_output"), "server.alignment.scheduler"),
     Target(SCHED, "Scheduler._try_schedule_encoder_inputs", ("self", "request"), "server.alignment.scheduler"),
     Target(
@@ -130,9 +182,19 @@ TARGETS: tuple[Target, ...] = (
         ("self", "request"),
         f"{_AL}:wrap_completion_rendering",
     ),
-    Target(QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)"),
-    Target(QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)"),
-    Target(QWEN, f"{QWEN_VL}._clear_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)"),
+    Target(
+        QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)", at_start=False
+    ),
+    Target(
+        QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)", at_start=False
+    ),
+    Target(
+        QWEN,
+        f"{QWEN_VL}._clear_deepstack_input_embeds",
+        ("self",),
+        f"{_MD}:replace_methods (deepstack)",
+        at_start=False,
+    ),
 )
 
 #: Every attribute of a vLLM object a hook reads or replaces per instance.
@@ -142,10 +204,19 @@ INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
     InstanceAttribute(CORE, "EngineCore", "model_executor", f"{_EC}:synchronize_workers"),
     InstanceAttribute(CORE, "EngineCoreProc", "output_queue", f"{_EC}:send_error_finishes"),
     InstanceAttribute(SCHED, "Scheduler", "requests", f"{_EC}: what the scheduler holds"),
+    InstanceAttribute(SCHED, "Scheduler", "running", f"{_EC}:finish_every_request (freed requests)"),
+    InstanceAttribute(SCHED, "Scheduler", "waiting", f"{_EC}:finish_every_request (freed requests)"),
+    InstanceAttribute(CORE, "EngineCore", "batch_queue", f"{_EC}:wait_for_batches"),
+    InstanceAttribute(CORE, "EngineCore", "is_pooling_model", f"{_EC}:is_pooling"),
+    InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "engine_core", f"{_AL}:on_engine_core_output"),
     InstanceAttribute(SCHED, "Scheduler", "kv_cache_manager", "server.alignment"),
     InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "renderer", f"{_AL}: the serving renderer"),
     InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "output_processor", f"{_AL}:output_processor_of"),
 )
+
+#: Read where present, absent on some lanes (``getattr`` with a default; nothing to check):
+#: ``Scheduler.skipped_waiting`` (0.20.0, 0.22.1), ``Scheduler.prev_step_scheduled_req_ids`` (0.20.0-0.32.0),
+#: ``EngineCoreClient.resources.engine_manager`` (the engine-core processes; the watchdog then sees none).
 
 #: Where vLLM's GPU model runner lives, newest first (0.34: a package of its own); soft recovery clears
 #: its ``execute_model_state`` after a failed step (:func:`server.vllm_hooks.engine_core.synchronize_workers`).

@@ -42,9 +42,11 @@ def on_engine_core_output(engine: Engine, callback: Callable[[], None]) -> bool:
 
     Returns:
         ``False`` when ``engine`` has no engine-core client (a test's fake engine): nothing wrapped.
+    Raises:
+        HookTargetMissing: the client has no ``get_output_async`` (an unsupported vLLM version).
     """
     client = getattr(engine, "engine_core", None)
-    if getattr(client, "get_output_async", None) is None:
+    if client is None:
         return False
 
     def signal(receive: Callable[..., Any]) -> Callable[..., Any]:

@@ -68,3 +68,19 @@ def test_the_model_runner_still_keeps_a_pending_execute_state() -> None:
             assert "execute_model_state" in Path(spec.origin).read_text(), f"{name} has no execute_model_state"
             return
     pytest.fail(f"no GPU model runner at {GPU_MODEL_RUNNERS}")
+
+
+def test_vlguard_serve_finds_every_start_up_target_on_this_lane() -> None:
+    """What ``vlguard serve`` checks before it builds an engine (it refuses to start otherwise)."""
+    from server.vllm_hooks import missing_hooks, preflight
+
+    assert preflight() == {}
+    assert missing_hooks() == {}
+
+
+def test_a_missing_start_up_target_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import server.vllm_hooks as hooks
+
+    gone = hooks.Target("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop_renamed", ("self",), "x:y")
+    monkeypatch.setattr(hooks, "TARGETS", (*hooks.TARGETS, gone))
+    assert list(hooks.missing_hooks()) == ["vllm.v1.engine.core.EngineCoreProc.run_busy_loop_renamed"]
