@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import server.vllm_hooks as hooks
 from server.vllm_hooks import INSTANCE_ATTRIBUTES, TARGETS, HookTargetMissing, wrap
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
@@ -21,10 +22,15 @@ HOOKED = {t.qualname.rsplit(".", 1)[-1] for t in TARGETS} | {"step_fn", "get_out
 OWN_SETATTR = {("serve.py", "result"), ("app.py", "app.state")}
 
 
-def test_a_hook_whose_target_is_gone_fails_loudly() -> None:
+def test_a_hook_whose_target_is_gone_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hooks, "_missing", {})  # what vlguard serve checks before it builds an engine
     with pytest.raises(HookTargetMissing, match=r"vllm\.nowhere\.f not found"):
         wrap(types.SimpleNamespace(), "f", lambda original: original, "vllm.nowhere.f")
     assert issubclass(HookTargetMissing, ImportError)  # callers that fall back on ImportError still do
+    assert list(hooks._missing) == ["vllm.nowhere.f"]  # however the caller handled it
+    with pytest.raises(HookTargetMissing):
+        wrap(types.SimpleNamespace(), "g", lambda original: original, "an.instance.g", once=False)
+    assert list(hooks._missing) == ["vllm.nowhere.f"]  # an instance's hook raises where the engine is built
 
 
 def test_a_hook_installs_once_on_a_class_and_again_on_an_instance() -> None:
