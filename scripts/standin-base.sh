@@ -23,6 +23,9 @@ fi
 
 # The interpreter the venv was made from (pyvenv.cfg `home` is its bin directory).
 pyhome=$(dirname "$(sed -n 's/^home = //p' "$venv/pyvenv.cfg")")
+# An overlay lane (scripts/venv.sh: 0.34.0 over 0.32.0) sees its base lane's site-packages through a .pth:
+# the base environment goes into the image too, at its own path.
+base_venvs=$(sed -n 's/.*site\.addsitedir("\([^"]*\)\/lib\/python[^"]*").*/\1/p' "$venv"/lib/python*/site-packages/zz_vlguard_base_lane.pth 2>/dev/null || true)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "standin-base.sh: debootstrap bookworm (minbase + g++, procps, libnuma (vLLM CPU ops), the interpreter's libraries)" >&2
@@ -33,8 +36,8 @@ debootstrap --variant=minbase \
 # pip inside builds verifies TLS against this machine's CA bundle (the registries' certificates).
 cp "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" "$work/rootfs/etc/ssl/certs/host-ca.crt"
 
-echo "standin-base.sh: importing rootfs + $pyhome + $venv as ${tag}-rootfs" >&2
-tar -c -C "$work/rootfs" . -C / "${pyhome#/}" "${venv#/}" \
+echo "standin-base.sh: importing rootfs + $pyhome + $venv ${base_venvs:+(over $base_venvs) }as ${tag}-rootfs" >&2
+tar -c -C "$work/rootfs" . -C / "${pyhome#/}" "${venv#/}" $(for b in $base_venvs; do echo "${b#/}"; done) \
   | docker import \
       --change "ENV PATH=$venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
       --change "ENV PIP_CERT=/etc/ssl/certs/host-ca.crt SSL_CERT_FILE=/etc/ssl/certs/host-ca.crt" \
@@ -42,10 +45,12 @@ tar -c -C "$work/rootfs" . -C / "${pyhome#/}" "${venv#/}" \
       - "${tag}-rootfs" >&2
 
 # The development environment carries vlguard and its test plugins as editable installs of a checkout
-# that is not in the image: remove them (the stock image has neither).
+# that is not in the image: remove them (the stock image has neither), from a base lane too (pip removes
+# only what is inside the environment it runs in).
 docker build --network host -t "$tag" - >&2 <<EOF
 FROM ${tag}-rootfs
-RUN python3 -m pip uninstall -y vlguard vlguard-test-plugins && python3 -c "import vllm, torch; print(vllm.__version__)"
+RUN for py in $(for b in $base_venvs; do echo "$b/bin/python3"; done) python3; do "\$py" -m pip uninstall -y vlguard vlguard-test-plugins; done \\
+ && python3 -c "import vllm, torch; print(vllm.__version__)"
 EOF
 docker image rm "${tag}-rootfs" >/dev/null
 echo "$tag"
