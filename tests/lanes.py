@@ -36,6 +36,12 @@ EXPECTED_PATCHES: dict[str, list[str]] = {
 #: vLLM version -> whether its scheduler cuts an image starting a chunk under --disable-chunked-mm-input.
 SPLITS_IMAGE_AT_CHUNK_START: dict[str, bool] = {"0.20.0": True, "0.22.1": True, "0.32.0": True, "0.34.0": False}
 
+#: vLLM version -> whether its CPU sampler keeps every seed of a step that also holds an unseeded sampling
+#: request. 0.20.0 and 0.22.1 drop them all for that step (0.32.0 rewrote the sampler; CUDA always kept
+#: them); which requests share a step depends on timing, so there a seeded stream is reproducible in one
+#: batch and not in the next, uninterrupted or re-run.
+CPU_SAMPLER_KEEPS_SEEDS: dict[str, bool] = {"0.20.0": False, "0.22.1": False, "0.32.0": True, "0.34.0": True}
+
 VLLM_VERSION: str = vllm.__version__
 
 

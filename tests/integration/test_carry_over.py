@@ -36,6 +36,7 @@ import pytest
 
 from tests.conftest import EAGER_ADMIT_WORD, slow_steps_flag
 from tests.helpers import carried_over, engine_core, labelled, poll
+from tests.lanes import CPU_SAMPLER_KEEPS_SEEDS, VLLM_VERSION
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
@@ -239,13 +240,17 @@ def matrix_and_reference(
 def _compare(results: dict[tuple[str, str], Stream], reference: dict[tuple[int, str], Stream], log: str) -> None:
     """Every stream as uninterrupted; ``log``: the server's log over the batch (which requests it re-ran)."""
     failures: dict[str, Any] = {}
-    if reference[(LONG, "seeded")].ids != reference[(LONG, "seeded_again")].ids:  # seeds not reproducible here
-        # A seeded stream re-run after sending tokens cannot reproduce them: it must end with the error
-        # event; one the fault missed (the server's log says which) finishes whole.
+    reproducible = reference[(LONG, "seeded")].ids == reference[(LONG, "seeded_again")].ids
+    if not (CPU_SAMPLER_KEEPS_SEEDS[VLLM_VERSION] and reproducible):  # seeds dropped in some steps here
+        # A seeded stream re-run after sending tokens either reproduced them (the guard checked the seam; what
+        # follows is the seeded engine's own, which no reference can predict when a step drops the seed)
+        # or ends with the "diverged" error event; one the fault missed (the server's log says which)
+        # finishes whole. Any other error fails.
         for wave in WAVES:
             s = results.pop((wave, "seeded"))
             rerun = re.search(rf"request {re.escape(s.rid)} \(\w+\) carried over: re-run after [1-9]", log)
-            if s.rid == "" or (rerun and "diverged" not in (s.error or "")) or (not rerun and s.error is not None):
+            honest = s.error is None or "diverged" in s.error
+            if s.rid == "" or (rerun and not honest) or (not rerun and s.error is not None):
                 failures[f"{wave}/seeded"] = f"re-run after tokens: {bool(rerun)}, error event: {s.error}"
     for (wave, name), s in results.items():
         if diff := s.same_as(reference[(WAVES[wave], name)]):
