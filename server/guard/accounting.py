@@ -47,7 +47,8 @@ def charged_requests(inflight: dict[str, str], record: FatalRecord | SoftFault |
     """
     if record is None or not record.step_requests:
         return []
-    return sorted(rid for rid in inflight if rid in api_ids(record.step_requests))
+    step = api_ids(record.step_requests)
+    return sorted(rid for rid in inflight if rid in step)
 
 
 def describe_charge(inflight: dict[str, str], charged: list[str]) -> str:
