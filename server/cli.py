@@ -1,9 +1,7 @@
 """The ``vlguard`` command.
 
-``vlguard serve [model] [every vllm serve flag] [--guard-* flags]`` parses with vLLM's own parser
-(``make_arg_parser``, ``FlexibleArgumentParser``: so ``--model X``, ``--config profile.yaml`` and every
-engine flag behave exactly as under ``vllm serve``), plus one ``--guard-<name>`` flag per field of
-:class:`server.settings.GuardSettings`. ``vlguard tiny-model [DIR]`` writes the embedded tiny Qwen3-VL.
+``vlguard serve [model] [every vllm serve flag] [--guard-* flags]`` parses with vLLM's own parser plus
+the guard's flags (:mod:`server.args`). ``vlguard tiny-model [DIR]`` writes the embedded tiny Qwen3-VL.
 ``vlguard bench twopass|compare`` runs the two-pass workload and the side-by-side benchmarks
 (:mod:`server.workload.cli`).
 
@@ -14,121 +12,11 @@ vLLM is imported lazily: ``serve`` must set up the Prometheus multiprocess direc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from server.settings import GuardSettings
-
-GUARD_PREFIX = "guard_"
-
-
-def _add_guard_args(parser: argparse.ArgumentParser) -> None:
-    from server.settings import GuardSettings
-
-    group = parser.add_argument_group("vlguard", "vlguard's own options (env VLGUARD_<NAME> also works)")
-    for name, field in GuardSettings.model_fields.items():
-        group.add_argument(
-            "--guard-" + name.replace("_", "-"),
-            dest=GUARD_PREFIX + name,
-            default=argparse.SUPPRESS,  # absent flags fall through to the environment and the default
-            metavar=name.upper(),
-            help=(field.description or "").replace("%", "%%") + f" (default: {field.default})",
-        )
-    group.add_argument(
-        "--print-config",
-        action="store_true",
-        help="Print the parsed engine arguments and guard settings as JSON and exit (loads nothing).",
-    )
-
-
-def build_parser() -> FlexibleArgumentParser:
-    """The ``vlguard`` parser: ``serve`` (vLLM's serve parser + guard flags) and ``tiny-model``."""
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from server.vllm_hooks.locations import vllm_symbol
-
-    make_arg_parser = vllm_symbol("make_arg_parser")
-
-    parser = FlexibleArgumentParser(prog="vlguard", description="Crash-proof Qwen3-VL serving on vLLM.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve",
-        help="Serve the OpenAI API on a guarded vLLM engine (takes every `vllm serve` flag).",
-        usage="vlguard serve [model] [vllm serve flags] [--guard-* flags]",
-    )
-    make_arg_parser(serve)
-    _add_guard_args(serve)
-    _add_tiny_model_args(sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL (DIR or the cache)."))
-    # Listed for --help only: main() hands `bench ...` to server.workload.cli before this parser runs.
-    sub.add_parser("bench", help="Two-pass workload and side-by-side benchmarks (vlguard bench --help).")
-    return parser
-
-
-def _add_tiny_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", nargs="?", help="Output directory (created if missing); default: built once in "
-                        "$VLGUARD_CACHE (~/.cache/vlguard) at a stable path. Prints the directory.")  # fmt: skip
-
-
-def guard_settings(args: argparse.Namespace) -> GuardSettings:
-    """The :class:`GuardSettings` for parsed ``serve`` arguments (explicit flags over the environment).
-
-    ``vllm serve``'s ``--shutdown-timeout S`` (S > 0: wait up to S s for in-flight requests at shutdown)
-    is vlguard's drain timeout: a migrated launch line keeps its meaning unless ``--guard-drain-timeout``
-    is given too (which wins). vLLM's default 0 ("abort") leaves vlguard's drain timeout as it is."""
-    from server.settings import settings_from_flags
-
-    flags = {k.removeprefix(GUARD_PREFIX): v for k, v in vars(args).items() if k.startswith(GUARD_PREFIX)}
-    if getattr(args, "shutdown_timeout", 0) and "drain_timeout" not in flags:
-        flags["drain_timeout"] = str(args.shutdown_timeout)
-    return settings_from_flags(flags)
-
-
-def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettings]:
-    """Parse ``serve`` arguments the way ``vllm serve`` does and build the guard settings.
-
-    Arguments:
-        argv: the arguments after the program name, starting with ``serve``.
-
-    Raises:
-        SystemExit: unknown flag or bad value (argparse prints the usage).
-        pydantic.ValidationError: a guard setting is invalid.
-    """
-    from server.vllm_hooks.locations import vllm_symbol
-
-    validate_parsed_serve_args = vllm_symbol("validate_parsed_serve_args")
-    args = build_parser().parse_args(argv)
-    if getattr(args, "model_tag", None):
-        args.model = args.model_tag
-    validate_parsed_serve_args(args)
-    return args, guard_settings(args)
-
-
-def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[str, Any]:
-    """The engine arguments vLLM would build from ``args``, what vlguard changes in vLLM's behaviour
-    (:func:`server.serve.vllm_changes`), the front-end address and guard settings.
-
-    Reads exactly the fields ``AsyncEngineArgs.from_cli_args`` hands to the constructor, plus vlguard's
-    overrides, without running ``__post_init__`` (which loads plugins and, under ``HF_HUB_OFFLINE``,
-    resolves the model path). Config objects print as their ``repr``.
-    """
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    from server.serve import engine_overrides, vllm_changes
-
-    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncEngineArgs) if hasattr(args, f.name)}
-    engine.update(engine_overrides(args, settings))
-    return {
-        "engine": engine,
-        "vlguard_changes": vllm_changes(args, settings),
-        "frontend": {"host": args.host, "port": args.port, "served_model_name": args.served_model_name},
-        "guard": settings.model_dump(),
-    }
+from server.args import add_tiny_model_args, describe_config, resolve_serve_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv[:1] == ["tiny-model"]:
         tiny = argparse.ArgumentParser(prog="vlguard tiny-model")  # without vLLM's serve parser: no vLLM import
-        _add_tiny_model_args(tiny)
+        add_tiny_model_args(tiny)
         args = tiny.parse_args(argv[1:])
         from server.devmodel import build_tiny_model
         from server.devmodel_cache import cached_tiny_model

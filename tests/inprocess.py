@@ -67,7 +67,7 @@ class EngineParts:
 
 def serve_args(model: str, *flags: str) -> Any:
     """``vlguard serve MODEL --config tiny-cpu.yaml FLAGS``, parsed: ``(args, settings)``."""
-    from server.cli import resolve_serve_args
+    from server.args import resolve_serve_args
 
     return resolve_serve_args(["serve", model, "--config", str(TINY_PROFILE), *flags])
 

@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 from server.alignment.capture import CaptureSizes, default_capture_sizes
 from server.alignment.plan import Chunk, Decision, decide
 from server.engine.protocol import ServeSettings
-from server.vllm_hooks import wrap
+from server.vllm_hooks import engine_core
 
 logger = logging.getLogger("vllm.vlguard.alignment")  # engine-core process: use vLLM's handler
 
@@ -120,7 +120,7 @@ class _AlignmentMixin:
 
             return allocate_slots
 
-        wrap(self.kv_cache_manager, "allocate_slots", delayed, "KVCacheManager.allocate_slots", once=False)
+        engine_core.delay_block_caching(self.kv_cache_manager, delayed)
 
     def align(self, output: SchedulerOutput) -> Decision:
         """Apply :func:`~server.alignment.plan.decide` to ``output`` in place (before computed-token counts

@@ -1,7 +1,8 @@
 """The served model's facts the door's poison rules need (:class:`server.api.poison.PoisonRules`), read
 from vLLM's configs and tokenizer once the engine is up, and the structured-output compile check.
 
-The compile check runs vLLM's own code for the backend the engine compiles with: the API-side validation
+The compile check (:func:`server.vllm_hooks.structured_output.xgrammar_compiler`) runs vLLM's own code for
+the backend the engine compiles with: the API-side validation
 (``validate_xgrammar_grammar``: choices become a grammar, Lark becomes EBNF), the engine's key
 (``get_structured_output_key``) and ``XgrammarBackend.compile_grammar`` over the served tokenizer, as the
 engine core's ``StructuredOutputManager`` does (vllm#43920; the engine-side fix is vllm PR #47312).
@@ -13,14 +14,10 @@ faults are charged to the request by the engine guard.
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
 from typing import Any
 
-from server.api.poison import ConstraintCompiler, PoisonRules
-
-logger = logging.getLogger(__name__)
+from server.api.poison import PoisonRules
+from server.vllm_hooks import structured_output
 
 #: hf_config attributes naming multimodal placeholder tokens (Qwen2/2.5/3-VL and most VLMs).
 _PLACEHOLDER_ATTRS = (
@@ -49,44 +46,6 @@ def placeholder_tokens(hf_config: Any, tokenizer: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def xgrammar_compiler(vllm_config: Any, tokenizer: Any, vocab_size: int) -> ConstraintCompiler | None:
-    """A compile check with vLLM's xgrammar backend over ``tokenizer``, or None when the engine compiles
-    with another backend or this vLLM lacks the pieces. Results are cached per constraint (1024).
-
-    Returns:
-        ``(constraint kwargs) -> error message or None``; blocking (compiling may take a second).
-    """
-    backend_name = getattr(getattr(vllm_config, "structured_outputs_config", None), "backend", "auto")
-    if backend_name not in ("auto", "xgrammar"):
-        return None
-    try:
-        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, validate_xgrammar_grammar
-        from vllm.v1.structured_output.request import get_structured_output_key
-    except ImportError:
-        logger.warning("structured-output constraints are not compiled at the door: this vLLM lacks the pieces")
-        return None
-    backend: list[Any] = []  # built at the first constraint: building reads the whole vocabulary
-
-    @functools.lru_cache(maxsize=1024)
-    def compile_key(key: str) -> str | None:
-        try:
-            params = StructuredOutputsParams(**json.loads(key))
-            validate_xgrammar_grammar(SamplingParams(structured_outputs=params))
-            kind, spec = get_structured_output_key(params)
-            if not backend:
-                backend.append(XgrammarBackend(vllm_config, tokenizer=tokenizer, vocab_size=vocab_size))
-            backend[0].compile_grammar(kind, spec)
-        except Exception as exc:  # the engine core would raise the same while scheduling the request
-            return f"{type(exc).__name__}: {exc}"
-        return None
-
-    def check(constraint: dict[str, Any]) -> str | None:
-        return compile_key(json.dumps(constraint, sort_keys=True))
-
-    return check
-
-
 def poison_rules(model_config: Any, vllm_config: Any, tokenizer: Any) -> PoisonRules:
     """The door's facts about the served model (see :mod:`server.api.poison`); without a tokenizer
     (``--skip-tokenizer-init``) no placeholder strings and no compile check."""
@@ -96,5 +55,5 @@ def poison_rules(model_config: Any, vllm_config: Any, tokenizer: Any) -> PoisonR
     return PoisonRules(
         vocab_size=vocab_size,
         placeholders=placeholder_tokens(model_config.hf_config, tokenizer),
-        compile_constraint=xgrammar_compiler(vllm_config, tokenizer, vocab_size),
+        compile_constraint=structured_output.xgrammar_compiler(vllm_config, tokenizer, vocab_size),
     )

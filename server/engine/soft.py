@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.fatal import StepLog
 from server.engine.protocol import EngineSettings, SoftFault, request_bases, write_soft_fault
+from server.engine.step_log import StepLog
 from server.vllm_hooks import engine_core
 
 logger = logging.getLogger("vllm.vlguard.soft")

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from server.engine.fatal import innermost_frames
+from server.engine.step_log import innermost_frames
 from server.vllm_hooks import async_llm
 
 logger = logging.getLogger(__name__)

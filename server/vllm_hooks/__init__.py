@@ -20,7 +20,13 @@ the process).
 - :mod:`.processes`: how vLLM starts its engine processes (the spare's hand-over);
 - :mod:`.models`: the model registry's class loading and method replacement on model classes (the
   deepstack backports, which stay probe-based: :mod:`server.patches.detect`), and the compile cache load;
-- :mod:`.processor_cache`: vLLM's multimodal processor cache in the form replays survive (a vLLM plugin).
+- :mod:`.processor_cache`: vLLM's multimodal processor cache in the form replays survive (a vLLM plugin);
+- :mod:`.structured_output`: vLLM's xgrammar backend, for the door's compile check;
+- :mod:`.bench`: the phase trace's stamps (bench only; serving never imports it).
+
+Each :class:`Target` says what vLLM lacks that its hook stands in for (the upstream issue or PR) and when the
+hook can go; nothing outside this package calls :func:`wrap` or sets an attribute on a vLLM object
+(``tests/unit/test_vllm_hooks.py``).
 """
 
 from __future__ import annotations
@@ -108,6 +114,9 @@ class Target:
         versions: the vLLM versions it was checked on.
         at_start: checked by ``vlguard serve`` before it builds an engine (:func:`preflight`); the
             deepstack methods are not (the backports probe each model class as it loads).
+        why: what vLLM lacks that the hook stands in for: the upstream issue or PR where there is one.
+        until: when the hook can go.
+        bench: used only by ``vlguard bench`` (the phase trace, the engine scenario), never by serving.
     """
 
     module: str
@@ -116,6 +125,9 @@ class Target:
     hook: str
     versions: str = "0.20.0-0.34.0"
     at_start: bool = True
+    why: str = ""
+    until: str = ""
+    bench: bool = False
 
     def resolve(self) -> Any:
         """The installed vLLM's target.
@@ -147,59 +159,101 @@ class InstanceAttribute:
 CORE, SCHED, KV = "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.core.kv_cache_manager"
 QWEN, QWEN_VL = "vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"
 _EC, _AL, _MD = "server.vllm_hooks.engine_core", "server.vllm_hooks.async_llm", "server.vllm_hooks.models"
+_SO, _BN = "server.vllm_hooks.structured_output", "server.vllm_hooks.bench"
+GRAMMAR, CHAT = "vllm.v1.structured_output.backend_xgrammar", "vllm.entrypoints.openai.chat_completion.serving"
+
+#: Why each group of hooks exists (:attr:`Target.why`) and when it can go (:attr:`Target.until`).
+_SOFT = (
+    "vLLM has no recovery from an exception inside one engine step: the engine core dies with every request "
+    "(0.34's --enable-fault-tolerance aborts them all and waits for an operator) and names no request",
+    "vLLM absorbs a step fault inside the live engine core and names the request it was handling",
+)
+_ALIGN = (
+    "vllm#41485: a step carrying image tokens padded to a capture size reads the deepstack buffer past what "
+    "was written",
+    "every supported vLLM has the deepstack fixes (vllm PR #40932, 0.20.2; vllm PR #43617, 0.23.0)",
+)
+_DEEPSTACK = (
+    "vllm#41485 (the padded read raises; fixed by vllm PR #40932) and the compiled graph traced without "
+    "deepstack (an empty buffer returns None; fixed by vllm PR #43617)",
+    "every supported vLLM is 0.23.0 or later (the probes then patch nothing already)",
+)
+_SPARE = (
+    "vLLM spawns a fresh engine core and worker at every engine build (a cold import of torch and vLLM)",
+    "vLLM restarts or keeps a warm engine core itself",
+)
+_GRAMMAR = (
+    "vllm#43920: a grammar the engine's backend cannot compile kills the engine core (engine-side fix: vllm PR #47312)",
+    "every supported vLLM has vllm PR #47312",
+)
+_TRACE = ("the phase trace stamps vLLM's request path (bench only)", "vLLM traces its request phases itself")
 
 #: Every vLLM function a hook wraps, replaces or relies on the shape of.
 TARGETS: tuple[Target, ...] = (
-    Target(CORE, "EngineCoreProc.run_busy_loop", ("self",), f"{_EC}:wrap_busy_loop"),
-    Target(CORE, "EngineCore.add_request", ("self", "request"), f"{_EC}:guard_step_and_admission"),
-    Target(CORE, "EngineCore.step", ("self",), f"{_EC}:guard_step_and_admission (step_fn: step or its twin)"),
-    Target(CORE, "EngineCore.reset_encoder_cache", ("self",), f"{_EC}:reset_caches"),
-    Target(SCHED, "Scheduler.schedule", ("self",), f"{_EC}:watch_scheduler_steps"),
-    Target(SCHED, "Scheduler.update_from_output", ("self", "scheduler_output"), f"{_EC}:watch_scheduler_steps"),
-    Target(SCHED, "Scheduler.finish_requests", ("self",), f"{_EC}:finish_every_request"),
-    Target(SCHED, "Scheduler.reset_prefix_cache", ("self",), f"{_EC}:reset_caches"),
-    Target("vllm.v1.engine.core_client", "AsyncMPClient.get_output_async", ("self",), f"{_AL}:on_engine_core_output"),
-    Target(SCHED, "Scheduler._update_after_schedule", ("self", "scheduler_output"), "server.alignment.scheduler"),
-    Target(SCHED, "Scheduler._try_schedule_encoder_inputs", ("self", "request"), "server.alignment.scheduler"),
-    Target(
-        KV, "KVCacheManager.allocate_slots", ("self", "request", "delay_cache_blocks"), "server.alignment.scheduler"
-    ),
-    Target(KV, "KVCacheManager.cache_blocks", ("self", "request"), "server.alignment (delayed prefix caching)"),
-    Target(
-        "vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", ("self",), f"{_AL}:wrap_output_processing"
-    ),
-    Target(
-        "vllm.model_executor.models.registry",
-        "_ModelRegistry._try_load_model_cls",
-        ("self", "model_arch"),
-        f"{_MD}:on_model_class_load",
-    ),
-    Target("vllm.v1.executor.multiproc_executor", "get_mp_context", (), "server.vllm_hooks.processes:route_starts"),
-    Target("vllm.v1.engine.utils", "get_mp_context", (), "server.vllm_hooks.processes:route_starts"),
-    Target(
-        "vllm.entrypoints.openai.completion.serving",
-        "OpenAIServingCompletion.render_completion_request",
-        ("self", "request"),
-        f"{_AL}:wrap_completion_rendering",
-    ),
-    Target(
-        QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)", at_start=False
-    ),
-    Target(
-        QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)", at_start=False
-    ),
-    Target(
-        QWEN,
-        f"{QWEN_VL}._clear_deepstack_input_embeds",
-        ("self",),
-        f"{_MD}:replace_methods (deepstack)",
-        at_start=False,
-    ),
-)
+    Target(CORE, "EngineCoreProc.run_busy_loop", ("self",), f"{_EC}:wrap_busy_loop", why=_SOFT[0], until=_SOFT[1]),
+    Target(CORE, "EngineCore.add_request", ("self", "request"), f"{_EC}:guard_step_and_admission", why=_SOFT[0],
+           until=_SOFT[1]),
+    Target(CORE, "EngineCore.step", ("self",), f"{_EC}:guard_step_and_admission (step_fn: step or its twin)",
+           why=_SOFT[0], until=_SOFT[1]),
+    Target(CORE, "EngineCore.reset_encoder_cache", ("self",), f"{_EC}:reset_caches", why=_SOFT[0], until=_SOFT[1]),
+    Target(SCHED, "Scheduler.schedule", ("self",), f"{_EC}:watch_scheduler_steps", why=_SOFT[0], until=_SOFT[1]),
+    Target(SCHED, "Scheduler.update_from_output", ("self", "scheduler_output"), f"{_EC}:watch_scheduler_steps",
+           why=_SOFT[0], until=_SOFT[1]),
+    Target(SCHED, "Scheduler.finish_requests", ("self",), f"{_EC}:finish_every_request", why=_SOFT[0],
+           until=_SOFT[1]),
+    Target(SCHED, "Scheduler.reset_prefix_cache", ("self",), f"{_EC}:reset_caches", why=_SOFT[0], until=_SOFT[1]),
+    Target("vllm.v1.engine.core_client", "AsyncMPClient.get_output_async", ("self",), f"{_AL}:on_engine_core_output",
+           why="a stopped or deadlocked engine core goes unnoticed: stock /health reads an errored flag only",
+           until="vLLM reports engine-core progress (a hang watchdog of its own)"),
+    Target(SCHED, "Scheduler._update_after_schedule", ("self", "scheduler_output"), "server.alignment.scheduler",
+           why=_ALIGN[0], until=_ALIGN[1]),
+    Target(SCHED, "Scheduler._try_schedule_encoder_inputs", ("self", "request"), "server.alignment.scheduler",
+           why=_ALIGN[0], until=_ALIGN[1]),
+    Target(KV, "KVCacheManager.allocate_slots", ("self", "request", "delay_cache_blocks"),
+           f"{_EC}:delay_block_caching", why=_ALIGN[0], until=_ALIGN[1]),
+    Target(KV, "KVCacheManager.cache_blocks", ("self", "request"), "server.alignment (delayed prefix caching)",
+           why=_ALIGN[0], until=_ALIGN[1]),
+    Target("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs", ("self",),
+           f"{_AL}:wrap_output_processing",
+           why="an exception while processing one request's output ends the API process's output handler: every "
+               "request in flight fails",
+           until="vLLM confines an output-processing error to its request"),
+    Target("vllm.model_executor.models.registry", "_ModelRegistry._try_load_model_cls", ("self", "model_arch"),
+           f"{_MD}:on_model_class_load", why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
+    Target("vllm.v1.executor.multiproc_executor", "get_mp_context", (), "server.vllm_hooks.processes:route_starts",
+           why=_SPARE[0], until=_SPARE[1]),
+    Target("vllm.v1.engine.utils", "get_mp_context", (), "server.vllm_hooks.processes:route_starts",
+           why=_SPARE[0], until=_SPARE[1]),
+    Target("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion.render_completion_request",
+           ("self", "request"), f"{_AL}:wrap_completion_rendering",
+           why='/v1/completions with "max_tokens": null ends in a 500 (0.20.0, 0.22.1)',
+           until="every supported vLLM normalises a null max_tokens (0.32.0 does)"),
+    Target(QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",
+           at_start=False, why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
+    Target(QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",
+           at_start=False, why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
+    Target(QWEN, f"{QWEN_VL}._clear_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",
+           at_start=False, why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
+    Target(GRAMMAR, "XgrammarBackend.compile_grammar", ("self",), f"{_SO}:xgrammar_compiler", at_start=False,
+           why=_GRAMMAR[0], until=_GRAMMAR[1]),
+    Target(GRAMMAR, "validate_xgrammar_grammar", ("sampling_params",), f"{_SO}:xgrammar_compiler", at_start=False,
+           why=_GRAMMAR[0], until=_GRAMMAR[1]),
+    Target("vllm.v1.structured_output.request", "get_structured_output_key", (), f"{_SO}:xgrammar_compiler",
+           at_start=False, why=_GRAMMAR[0], until=_GRAMMAR[1]),
+    Target(CHAT, "OpenAIServingChat.create_chat_completion", ("self", "request"), f"{_BN}:wrap_method",
+           at_start=False, why=_TRACE[0], until=_TRACE[1], bench=True),
+    Target(CHAT, "OpenAIServingChat.render_chat_request", ("self", "request"), f"{_BN}:wrap_method",
+           at_start=False, why=_TRACE[0], until=_TRACE[1], bench=True),
+    Target(CHAT, "OpenAIServingChat.chat_completion_stream_generator", ("self", "request"), f"{_BN}:wrap_method",
+           at_start=False, why=_TRACE[0], until=_TRACE[1], bench=True),
+    Target("vllm.v1.engine.async_llm", "AsyncLLM.generate", ("self", "prompt", "sampling_params", "request_id"),
+           f"{_BN}:wrap_method", at_start=False, why=_TRACE[0], until=_TRACE[1], bench=True),
+)  # fmt: skip
 
 #: Every attribute of a vLLM object a hook reads or replaces per instance.
 INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
     InstanceAttribute(CORE, "EngineCore", "step_fn", f"{_EC}:guard_step_and_admission"),
+    InstanceAttribute(CORE, "EngineCore", "step_fn", f"{_EC}:time_steps (bench only)"),
     InstanceAttribute(CORE, "EngineCore", "scheduler", f"{_EC}: step log, cut requests"),
     InstanceAttribute(CORE, "EngineCore", "model_executor", f"{_EC}:synchronize_workers"),
     InstanceAttribute(CORE, "EngineCoreProc", "output_queue", f"{_EC}:send_error_finishes"),

@@ -30,6 +30,28 @@ def wrap_busy_loop(make: Callable[[Callable[[Any], Any]], Callable[[Any], Any]])
     wrap(EngineCoreProc, "run_busy_loop", make, "vllm.v1.engine.core.EngineCoreProc.run_busy_loop")
 
 
+def delay_block_caching(kv_cache_manager: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``kv_cache_manager.allocate_slots(request, ..., delay_cache_blocks=...)`` on this instance by
+    ``make(original)`` (the aligned scheduler registers a step's blocks in the prefix cache after it trimmed
+    the step, :mod:`server.alignment.scheduler`).
+
+    Raises:
+        HookTargetMissing: an unsupported vLLM version.
+    """
+    wrap(kv_cache_manager, "allocate_slots", make, "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots",
+         once=False)  # fmt: skip
+
+
+def time_steps(core: Any, make: Callable[[Callable[[], Any]], Callable[[], Any]]) -> None:
+    """Replace this engine core's ``step_fn()`` by ``make(original)``: bench only (the engine scenario times
+    every step, :mod:`server.workload.engine_step`).
+
+    Raises:
+        HookTargetMissing: an unsupported vLLM version.
+    """
+    wrap(core, "step_fn", make, "vllm.v1.engine.core.EngineCore.step_fn", once=False)
+
+
 def watch_scheduler_steps(
     scheduler: Any,
     make_schedule: Callable[[Callable[..., Any]], Callable[..., Any]],

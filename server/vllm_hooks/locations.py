@@ -40,6 +40,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from server.vllm_hooks import wrap as hook
+
 #: name -> modules that may define it, newest vLLM first.
 MOVED: dict[str, tuple[str, ...]] = {
     "make_arg_parser": (
@@ -117,8 +119,9 @@ def _wrap_first(locations: tuple[tuple[str, str | None], ...], name: str, wrap: 
             continue
         target: Any = getattr(mod, owner, None) if owner else mod
         if target is not None and hasattr(target, name):
-            setattr(target, name, wrap(getattr(target, name)))
-            return ".".join(filter(None, (module, owner, name)))
+            where = ".".join(filter(None, (module, owner, name)))
+            hook(target, name, wrap, where)
+            return where
     return None
 
 

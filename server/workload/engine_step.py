@@ -8,7 +8,7 @@ executor, so scheduler, model runner and model share one process and nothing wai
   (:func:`server.serve.engine_overrides`: the aligned scheduler), the deepstack backports (plugin
   ``vlguard_patches``, applied where the installed vLLM needs them), and the step log and soft recovery
   wrapped around the engine core's ``schedule``, ``update_from_output``, ``step_fn`` and ``add_request``
-  (:func:`server.engine.fatal.remember_steps`, :func:`server.engine.soft.install`: what vlguard's fatal
+  (:func:`server.engine.step_log.remember_steps`, :func:`server.engine.soft.install`: what vlguard's fatal
   plugin installs in the engine-core process);
 - ``stock-a`` and ``stock-b``: vLLM as it is, no plugin: the second is the A/A floor of the same run.
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from server.vllm_hooks import wrap
+from server.vllm_hooks import engine_core
 from server.workload import generator, report
 
 SYSTEMS = ("vlguard", "stock-a", "stock-b")
@@ -96,7 +96,7 @@ class _Child:
         from transformers import AutoProcessor
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        from server.cli import resolve_serve_args
+        from server.args import resolve_serve_args
         from server.serve import engine_args
 
         args, settings = resolve_serve_args(["serve", model, *serve_args])
@@ -111,13 +111,13 @@ class _Child:
         self.processor = AutoProcessor.from_pretrained(model)
         core: Any = self.engine.engine_core.engine_core  # type: ignore[attr-defined]  # InprocClient -> EngineCore
         if system == "vlguard":
-            from server.engine import fatal, soft
+            from server.engine import soft, step_log
             from server.engine.protocol import EngineSettings
 
-            log = fatal.remember_steps(core.scheduler, 1)
+            log = step_log.remember_steps(core.scheduler, 1)
             soft.install(core, log, soft.SoftPolicy.from_settings(EngineSettings.from_environ()))
         self.steps, self.cpu_s, self.thread_s, self.wall_s = 0, 0.0, 0.0, 0.0
-        wrap(core, "step_fn", self._timed, "EngineCore.step_fn", once=False)
+        engine_core.time_steps(core, self._timed)
         self.plan: generator.TwoPassPlan | None = None
         self.seq = 0
 

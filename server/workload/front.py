@@ -112,7 +112,7 @@ def api_side_parts(model: str, flags: list[str], guard: bool) -> tuple[Any, Any,
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
 
-    from server.cli import resolve_serve_args
+    from server.args import resolve_serve_args
     from server.serve import engine_args
     from server.vllm_hooks import processor_cache as replay_cache
     from server.vllm_hooks.locations import build_renderer_and_input_processor

@@ -40,8 +40,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
-import inspect
 import json
 import logging
 import multiprocessing
@@ -53,7 +51,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import IO, Any, NamedTuple
 
-from server.vllm_hooks import wrap
+from server.vllm_hooks import HookTargetMissing, bench
 from server.workload import PHASE_TRACE_ENV as ENV
 
 _ID = re.compile(r"phase-[0-9a-f]{16}")
@@ -227,25 +225,17 @@ def install(path: str) -> list[str]:
     points = [*_POINTS, *(_GUARD_POINTS if "server.cli" in sys.modules else ())]
     wrapped = []
     for point in points:
-        where = f"{point.module}.{point.cls}.{point.method}"
         try:
-            cls = getattr(importlib.import_module(point.module), point.cls)
-            original = cls.__dict__[point.method]
-        except (ImportError, AttributeError, KeyError):
-            logger.warning("vlguard phase trace: %s not found; not traced", where)
-            continue
-        if not (inspect.isasyncgenfunction if point.stream else inspect.iscoroutinefunction)(original):
-            logger.warning("vlguard phase trace: %s is not the kind of function expected; not traced", where)
-            continue
-        wrap(cls, point.method, point.wrap, where)
-        wrapped.append(where)
+            wrapped.append(bench.wrap_method(point.module, point.cls, point.method, point.wrap, point.stream))
+        except HookTargetMissing as exc:
+            logger.warning("vlguard phase trace: %s; not traced", exc)
     return wrapped
 
 
 def trace_engine_client(cls: type) -> None:
     """Stamp ``submit`` and ``output`` on ``cls.generate``, an engine client standing in for ``AsyncLLM``
     (the front bench's null engine, :mod:`server.workload.front`)."""
-    cls.generate = _traced_stream("submit", "output", _any)(cls.__dict__["generate"])  # type: ignore[attr-defined]
+    bench.wrap_method(cls.__module__, cls.__qualname__, "generate", _traced_stream("submit", "output", _any), True)
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import describe_config, resolve_serve_args
+from server.args import describe_config, resolve_serve_args
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCTION_LINE = (

@@ -1,4 +1,4 @@
-"""The engine-core step log behind the fatal record (server.engine.fatal.remember_steps), on a stub
+"""The engine-core step log behind the fatal record (server.engine.step_log.remember_steps), on a stub
 scheduler: only steps in execution are charged."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from server.engine.fatal import remember_steps
+from server.engine.step_log import remember_steps
 
 
 @dataclass

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from server.engine import protocol, soft
-from server.engine.fatal import remember_steps
 from server.engine.protocol import EngineSettings, read_soft_faults
 from server.engine.soft import SoftPolicy, device_poisoned
+from server.engine.step_log import remember_steps
 from server.vllm_hooks import engine_core
 from tests.helpers import ManualClock
 
@@ -104,7 +104,7 @@ def test_faults_charged_to_a_whole_step_still_spend_the_engine_budget() -> None:
 def test_only_a_request_handed_to_the_failing_code_is_named() -> None:
     """A loop variable outlives its loop: an exception raised after the loop must not name the loop's
     last request (found in review)."""
-    from server.engine.fatal import named_requests
+    from server.engine.step_log import named_requests
 
     def helper(request: Request) -> None:
         raise ValueError("in the request's own helper")

@@ -94,6 +94,27 @@ def test_nothing_outside_the_layer_assigns_a_hooked_vllm_attribute_or_calls_seta
     assert found == [], "vLLM hooked outside server/vllm_hooks:\n" + "\n".join(found)
 
 
+def test_nothing_outside_the_layer_calls_wrap() -> None:
+    """A hook written outside the layer (``wrap(...)`` on any object, vLLM's or a bench's) fails here: each
+    one belongs in :mod:`server.vllm_hooks`, listed in ``TARGETS`` with why it exists and when it can go."""
+    found = []
+    for path in _outside_the_layer():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("server.vllm_hooks"):
+                found += [f"{path.relative_to(SERVER)}:{node.lineno}: imports {a.name}" for a in node.names
+                          if a.name in ("wrap", "MARK")]  # fmt: skip
+            if isinstance(node, ast.Attribute) and node.attr == "wrap" and ast.unparse(node.value).endswith("hooks"):
+                found.append(f"{path.relative_to(SERVER)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "hooks installed outside server/vllm_hooks:\n" + "\n".join(found)
+
+
+def test_every_target_says_why_it_exists_and_when_it_can_go() -> None:
+    vague = [f"{t.module}.{t.qualname}" for t in TARGETS if len(t.why) < 20 or len(t.until) < 10]
+    assert vague == []
+    bench = {t.qualname for t in TARGETS if t.bench}
+    assert bench and all(t.hook.startswith("server.vllm_hooks.bench") for t in TARGETS if t.bench)
+
+
 def test_nothing_outside_the_layer_imports_a_private_vllm_name() -> None:
     found = []
     for path in _outside_the_layer():

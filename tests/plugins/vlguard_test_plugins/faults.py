@@ -143,7 +143,7 @@ def _fail_for_prompt(owner: Any, name: str, arg: int, needle: list[int], fault: 
         return
 
     # ``self`` and ``request`` are named parameters, not ``*args``: the guard names the request a failing
-    # function was handed as an argument (server.engine.fatal.named_requests), as it would vLLM's own.
+    # function was handed as an argument (server.engine.step_log.named_requests), as it would vLLM's own.
     def wrapper(self: Any, request: Any = _MISSING, *args: Any, **kwargs: Any) -> Any:
         subject = self if arg == 0 else request
         if contains(list(subject.prompt_token_ids or []), needle):
