@@ -26,6 +26,8 @@ from server.settings import GuardSettings
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from server.guard.supervisor import Supervisor
+
 #: Process exit statuses. Anything non-zero makes systemd's ``Restart=on-failure`` fire.
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 3
@@ -198,9 +200,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
 
     from server.app import create_app
     from server.guard.spare import SpareKeeper
-    from server.guard.supervisor import EngineState, Supervisor, build_async_llm
+    from server.guard.supervisor import Supervisor, build_async_llm
     from server.vllm_hooks import missing_hooks
-    from server.vllm_hooks import processor_cache as replay_cache
 
     _configure_logging()
     try:
@@ -208,24 +209,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s: %s", args.uds or f"{args.host or '0.0.0.0'}:{args.port}", exc)
         return EXIT_STARTUP_FAILED
-    allowed = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
-    if allowed is not None:
-        os.environ["VLLM_PLUGINS"] = allowed
-    # Every vLLM process reads these (the plugins; spawned engine processes inherit them): written before
-    # vLLM loads its plugins (when the engine arguments are built below).
-    serve_settings = ServeSettings(settings.patches, True, settings.alignment_max_capture_size or 0)
-    serve_settings.apply()
-    # Replays need the processor cache's API half to keep the images' data: installed here, where it lives;
-    # the engine processes (the plugin, told by ServeSettings.replay_cache) keep vLLM's receiver cache, shm
-    # made lru.
-    try:
-        logger.info("replay-safe processor cache: %s wrapped", replay_cache.install())
-        if not replay_cache.plugin_installed():
-            raise ImportError("entry point vlguard_replay_cache missing: reinstall vlguard")
-    except ImportError as exc:
-        logger.warning("processor cache off, so that replays stay safe: %s", exc)
-        args.mm_processor_cache_gb = 0
-        dataclasses.replace(serve_settings, replay_cache=False).apply()  # the engines have nothing to install
+    _prepare_vllm_processes(args, settings)
     set_ulimit()
 
     # Engine cores record their fatal errors below this (each engine in a directory of its own; the
@@ -265,6 +249,38 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         server.should_exit = True
 
     supervisor.on_failed = give_up
+    return _serve(server, sock, supervisor)
+
+
+def _prepare_vllm_processes(args: argparse.Namespace, settings: GuardSettings) -> None:
+    """What every vLLM process of this server reads, written before vLLM loads its plugins here (when the
+    engine arguments are built); spawned engine processes inherit it: vlguard's plugins allowed, the
+    :class:`ServeSettings`, and the replay-safe processor cache (its API half installed here; off, with
+    ``args.mm_processor_cache_gb = 0``, where it cannot be installed)."""
+    from server.vllm_hooks import processor_cache as replay_cache
+
+    allowed = plugin_allowlist(os.environ.get("VLLM_PLUGINS"))
+    if allowed is not None:
+        os.environ["VLLM_PLUGINS"] = allowed
+    serve_settings = ServeSettings(settings.patches, True, settings.alignment_max_capture_size or 0)
+    serve_settings.apply()
+    # Replays need the processor cache's API half to keep the images' data: installed here, where it lives;
+    # the engine processes (the plugin, told by ServeSettings.replay_cache) keep vLLM's receiver cache, shm
+    # made lru.
+    try:
+        logger.info("replay-safe processor cache: %s wrapped", replay_cache.install())
+        if not replay_cache.plugin_installed():
+            raise ImportError("entry point vlguard_replay_cache missing: reinstall vlguard")
+    except ImportError as exc:
+        logger.warning("processor cache off, so that replays stay safe: %s", exc)
+        args.mm_processor_cache_gb = 0
+        dataclasses.replace(serve_settings, replay_cache=False).apply()  # the engines have nothing to install
+
+
+def _serve(server: _Server, sock: socket.socket, supervisor: Supervisor) -> int:
+    """Run uvicorn on ``sock`` until it stops; the exit status (see :func:`run`)."""
+    from server.guard.states import EngineState
+
     try:
         # After a signal-initiated shutdown uvicorn re-raises the signal: the process ends here.
         server.run(sockets=[sock])

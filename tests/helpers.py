@@ -22,6 +22,23 @@ from PIL import Image, ImageOps
 
 from server.workload.servers import ServerProcess, metric_samples
 
+#: Inputs known to fault vLLM's engine core, refused at the door (CASES C16, C21): name -> (fields over a
+#: text chat body, a phrase of the 400's message). Shared by the in-process and the real-engine tests.
+POISON_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "json-object-false": ({"structured_outputs": {"json_object": False}}, "no usable constraint"),
+    "json-empty": ({"structured_outputs": {"json": ""}}, "no usable constraint"),
+    "grammar-uncompilable": ({"structured_outputs": {"grammar": "root ::= ( "}}, "cannot be compiled"),
+    "schema-uncompilable": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "strin"}}}},
+        "cannot be compiled",
+    ),
+    "oov-stop-with-min-tokens": ({"stop_token_ids": [10**6], "min_tokens": 2}, "outside the vocabulary"),
+    "literal-placeholder": (
+        {"messages": [{"role": "user", "content": "look <|vision_start|><|image_pad|><|vision_end|>"}]},
+        "placeholder",
+    ),
+}
+
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting (include/linux/sched.h)
 
 __all__ = [

@@ -16,6 +16,7 @@ NO_VLLM = frozenset(
         "test_devmodel.py",
         "test_errors.py",
         "test_fatal.py",
+        "test_house.py",
         "test_input_guard.py",
         "test_lane_split.py",
         "test_layout.py",

@@ -27,23 +27,25 @@ current. When the engine dies under a request:
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
 from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from server.guard.clients import current_client
 from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
 from server.guard.ipc_cache import cache_miss
 from server.guard.output_faults import output_fault
+from server.guard.port import EnginePort
 from server.guard.quarantine import fingerprint
 from server.guard.rerun import Rerun, rerun_params, rerun_reason, seeded_for_rerun
-from server.guard.supervisor import EngineState
+from server.guard.states import EngineState
 from server.metrics import definitions as m
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
-
-    from server.guard.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -85,136 +87,188 @@ def _unfinish(output: RequestOutput) -> None:
         completion.stop_reason = None
 
 
-class GuardedEngineClient:
-    """Duck-typed ``vllm.engine.protocol.EngineClient`` over the supervisor's current engine.
+class Outcome(enum.Enum):
+    """How one attempt of a request ended."""
 
-    Arguments:
-        supervisor: owns the engine, the quarantine and the in-flight registry.
+    DONE = "done"  # the request ran to its end
+    CARRY = "carry"  # its engine died under it, a soft recovery cut it, or its output processing raised
+    RESEND = "resend"  # the engine core missed an image sent as its hash: send it again, whole
+    RETRY = "retry"  # the engine died while the request waited for it: try again, nothing was sent
+
+
+@dataclass
+class Carry:
+    """What one request carries from one attempt to the next.
+
+    Attributes:
+        prompt, params: the engine input and sampling parameters as the serving layer handed them (a
+            stream with decoding state gets a seed: :func:`server.guard.rerun.seeded_for_rerun`).
+        delta, single: a delta stream (``RequestOutputKind.DELTA``); one sample (``n == 1``).
+        stateful: a single delta stream with decoding state: re-run, not resumed, after sending tokens.
+        sent, sent_text: token ids and text already handed on (single delta streams only).
+        yielded: any output was handed on.
+        whole: send every processed image with its data (the engine core missed one).
+        outcome: how the last attempt ended.
     """
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
+    prompt: Any
+    params: Any
+    delta: bool
+    single: bool
+    stateful: bool
+    sent: list[int] = field(default_factory=list)
+    sent_text: list[str] = field(default_factory=list)
+    yielded: bool = False
+    whole: bool = False
+    outcome: Outcome = Outcome.RETRY
+
+    @classmethod
+    def start(cls, prompt: Any, sampling_params: Any) -> Carry:
+        from vllm.sampling_params import RequestOutputKind
+
+        delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
+        single = getattr(sampling_params, "n", 1) == 1
+        # A stream with decoding state is re-run, not resumed, after sending tokens (a sampling one gets a
+        # seed now, so its re-run draws the same tokens).
+        stateful = delta and single and rerun_reason(sampling_params) is not None
+        params = seeded_for_rerun(sampling_params) if stateful else sampling_params
+        return cls(prompt, params, delta, single, stateful)
+
+    def inputs(self) -> tuple[Any, Any, Rerun | None]:
+        """The next attempt's prompt and parameters, and the re-run check when it re-runs."""
+        if self.sent and self.stateful:
+            return self.prompt, rerun_params(self.params), Rerun(self.sent, "".join(self.sent_text))
+        if self.sent:
+            return (*resume_input(self.prompt, self.params, self.sent), None)
+        return self.prompt, self.params, None
+
+    def deliver(self, output: RequestOutput) -> None:
+        """``output`` is handed on: it shows the original prompt, and its tokens count as sent."""
+        original_ids = self.prompt.get("prompt_token_ids") if isinstance(self.prompt, dict) else None
+        if self.sent and original_ids is not None:
+            output.prompt_token_ids = original_ids
+        if self.delta and self.single and output.outputs:
+            self.sent.extend(output.outputs[0].token_ids)
+            self.sent_text.append(output.outputs[0].text)
+        self.yielded = True
+
+    def how(self) -> str:
+        """The log's word for the next attempt."""
+        return "replay" if not self.sent else f"{'re-run' if self.stateful else 'resume'} after {len(self.sent)} tokens"
+
+
+class GuardedEngineClient:
+    """Duck-typed ``vllm.engine.protocol.EngineClient`` over the engine owner's current engine.
+
+    Arguments:
+        port: the engine's owner (the supervisor), as far as this client may ask it
+            (:class:`~server.guard.port.EnginePort`).
+    """
+
+    def __init__(self, port: EnginePort) -> None:
+        self._port = port
 
     async def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream ``RequestOutput`` objects for one request (same contract as ``AsyncLLM.generate``).
+        """Stream ``RequestOutput`` objects for one request (same contract as ``AsyncLLM.generate``),
+        carried over engine faults.
 
         Raises:
             EngineUnavailableError: no engine became READY in time (503), or the request could not be
                 carried over a death (not resumable, replay limit).
             QuarantinedRequestError: the request is quarantined (400).
         """
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        sup = self._supervisor
-        client = current_client.get()
         fp = fingerprint(prompt, sampling_params)
         self._check_quarantine(fp)
-        delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
-        single = getattr(sampling_params, "n", 1) == 1
-        # A stream with decoding state is re-run, not resumed, after sending tokens (a sampling one gets a
-        # seed now, so its re-run draws the same tokens).
-        stateful = delta and single and rerun_reason(sampling_params) is not None
-        if stateful:
-            sampling_params = seeded_for_rerun(sampling_params)
-        original_prompt_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        sent: list[int] = []
-        sent_text: list[str] = []
-        yielded = False
+        carry = Carry.start(prompt, sampling_params)
         carries = 0
-        whole = False  # send every processed image with its data (the engine core missed one)
         while True:
-            try:
-                engine, generation = await sup.acquire()
-            except EngineUnavailableError as exc:
-                m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
-                raise
-            attempt_prompt, attempt_params = prompt, sampling_params
-            rerun = None
-            if sent and stateful:
-                attempt_params, rerun = rerun_params(sampling_params), Rerun(sent, "".join(sent_text))
-            elif sent:
-                attempt_prompt, attempt_params = resume_input(prompt, sampling_params, sent)
-            suspect = sup.is_suspect(fp)
-            if not suspect:
-                await sup.inflight.door()  # a suspect is isolated: wait until its first step passed
-            async with sup.inflight.probation(suspect):
-                if generation != sup.generation:  # the engine died while this request waited
-                    continue
-                if not sup.inflight:
-                    sup.note_progress(output=False)  # idle -> busy: the hang clock starts now
-                # The death is reported while this request is still on the ledger: it was in flight.
-                with sup.inflight.entered(request_id, fp, generation, client):
-                    stripped = False  # images this engine core holds go as their hashes (last, after waits)
-                    # Not for n > 1: a stream's samples come apart, so a miss would not be seen as one.
-                    if not whole and single and (shadow := sup.ipc_cache(generation)) is not None:
-                        attempt_prompt, stripped = shadow.strip(attempt_prompt)
-                    try:
-                        cut = missed = False
-                        first = True
-                        async for output in engine.generate(attempt_prompt, attempt_params, request_id, **kwargs):
-                            sup.note_progress()
-                            # A soft recovery finished it (always its last output): deliver the tokens of
-                            # earlier steps it may carry, not the finish; then carry the request over.
-                            cut = cut or (_error_finish(output) and sup.take_cut(generation, request_id))
-                            # The engine core did not hold an image sent as its hash: send it again, whole.
-                            missed, first = not cut and cache_miss(output, stripped, first), False
-                            if missed:
-                                continue
-                            if rerun is not None and (output := rerun.take(output, cut)) is None:
-                                continue  # the re-run is still inside what was sent
-                            if cut:
-                                _unfinish(output)
-                                if not (delta and single and output.outputs and output.outputs[0].token_ids):
-                                    continue
-                            elif suspect:
-                                sup.inflight.suspect_progressed()
-                            if sent and original_prompt_ids is not None:
-                                output.prompt_token_ids = original_prompt_ids
-                            if delta and single and output.outputs:
-                                sent.extend(output.outputs[0].token_ids)
-                                sent_text.append(output.outputs[0].text)
-                            yielded = True
-                            yield output
-                        if missed:
-                            whole = True
-                            m.MM_CACHE_RESENDS.inc()
-                            logger.warning(
-                                "request %s: the engine core missed a cached image; sent again whole", request_id
-                            )
-                            continue
-                        if not cut:
-                            if suspect:
-                                sup.cleared(fp)
-                            return
-                    except EngineDeadError:
-                        sup.report_death(generation)
-                    except NotResumableError:  # a re-run that diverged: it ends here, on the engine too
-                        await engine.abort(request_id)
-                        raise
-                    except Exception as exc:
-                        if (fault := output_fault(exc)) is None:
-                            raise
-                        sup.output_fault(generation, request_id, fault)
+            async with contextlib.aclosing(self._attempt(carry, fp, request_id, kwargs)) as outputs:
+                async for output in outputs:
+                    yield output
+            if carry.outcome is Outcome.DONE:
+                return
+            if carry.outcome is not Outcome.CARRY:
+                continue
             # The engine died under this request, or cut it in a soft recovery: quarantine, then replay or
             # resume on the current engine.
             self._check_quarantine(fp)
             carries += 1
-            if carries > sup.settings.max_replays:
+            if carries > self._port.max_replays:
                 m.REQUESTS_FAILED.labels(reason="replay_limit").inc()
                 raise EngineUnavailableError("request outlived too many engine deaths", reason="replay_limit")
-            if yielded and not (delta and single and sent):
+            if carry.yielded and not (carry.delta and carry.single and carry.sent):
                 m.REQUESTS_FAILED.labels(reason="not_resumable").inc()
                 raise NotResumableError("engine restarted after output was sent; this request cannot be resumed")
-            (m.REQUESTS_RESUMED if sent else m.REQUESTS_REPLAYED).inc()
-            how = "replay" if not sent else f"{'re-run' if stateful else 'resume'} after {len(sent)} tokens"
-            logger.warning("request %s (%s) carried over: %s", request_id, fp, how)
+            (m.REQUESTS_RESUMED if carry.sent else m.REQUESTS_REPLAYED).inc()
+            logger.warning("request %s (%s) carried over: %s", request_id, fp, carry.how())
+
+    async def _attempt(
+        self, carry: Carry, fp: str, request_id: str, kwargs: dict[str, Any]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """One try of the request on the current engine: its outputs as they may be handed on; how it
+        ended is left in ``carry.outcome``."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        port = self._port
+        carry.outcome = Outcome.RETRY
+        async with port.attempt(request_id, fp, current_client.get()) as attempt:
+            if attempt is None:
+                return
+            prompt, params, rerun = carry.inputs()
+            stripped = False  # images this engine core holds go as their hashes (last, after waits)
+            # Not for n > 1: a stream's samples come apart, so a miss would not be seen as one.
+            if not carry.whole and carry.single and attempt.ipc_cache is not None:
+                prompt, stripped = attempt.ipc_cache.strip(prompt)
+            cut = missed = False
+            first = True
+            try:
+                async for output in attempt.engine.generate(prompt, params, request_id, **kwargs):
+                    port.output(attempt)
+                    # A soft recovery finished it (always its last output): deliver the tokens of earlier
+                    # steps it may carry, not the finish; then carry the request over.
+                    cut = cut or (_error_finish(output) and port.take_cut(attempt, request_id))
+                    # The engine core did not hold an image sent as its hash: send it again, whole.
+                    missed, first = not cut and cache_miss(output, stripped, first), False
+                    if missed:
+                        continue
+                    if rerun is not None and (output := rerun.take(output, cut)) is None:
+                        continue  # the re-run is still inside what was sent
+                    if cut:
+                        _unfinish(output)
+                        if not (carry.delta and carry.single and output.outputs and output.outputs[0].token_ids):
+                            continue
+                    else:
+                        port.delivered(attempt)
+                    carry.deliver(output)
+                    yield output
+            except EngineDeadError:
+                port.died(attempt)
+                carry.outcome = Outcome.CARRY
+                return
+            except NotResumableError:  # a re-run that diverged: it ends here, on the engine too
+                await attempt.engine.abort(request_id)
+                raise
+            except Exception as exc:
+                if (fault := output_fault(exc)) is None:
+                    raise
+                port.output_fault(attempt, request_id, fault)
+                carry.outcome = Outcome.CARRY
+                return
+            if missed:
+                carry.whole, carry.outcome = True, Outcome.RESEND
+                m.MM_CACHE_RESENDS.inc()
+                logger.warning("request %s: the engine core missed a cached image; sent again whole", request_id)
+            elif cut:
+                carry.outcome = Outcome.CARRY
+            else:
+                port.completed(attempt, fp)
+                carry.outcome = Outcome.DONE
 
     def _check_quarantine(self, fp: str) -> None:
         try:
-            self._supervisor.quarantine.check(fp)
+            self._port.check_quarantine(fp)
         except QuarantinedRequestError:
             m.REQUESTS_QUARANTINED.inc()
             logger.warning("refused quarantined request %s", fp)
@@ -222,13 +276,13 @@ class GuardedEngineClient:
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests in the current engine (no-op when no engine is READY)."""
-        if self._supervisor.state is EngineState.READY:
-            await self._supervisor.engine.abort(request_id)
+        if (engine := self._port.current_engine()) is not None:
+            await engine.abort(request_id)
 
     @property
     def errored(self) -> bool:
         """True only when the supervisor gave up: a dead engine is being replaced, not an error."""
-        return self._supervisor.state is EngineState.FAILED
+        return self._port.state is EngineState.FAILED
 
     @property
     def dead_error(self) -> BaseException:
@@ -236,14 +290,14 @@ class GuardedEngineClient:
 
     @property
     def is_running(self) -> bool:
-        return self._supervisor.state is EngineState.READY
+        return self._port.state is EngineState.READY
 
     @property
     def is_stopped(self) -> bool:
-        return self._supervisor.state in (EngineState.STOPPED, EngineState.FAILED)
+        return self._port.state in (EngineState.STOPPED, EngineState.FAILED)
 
     def __getattr__(self, name: str) -> Any:
         # Everything else (model_config, renderer, input_processor, vllm_config, get_supported_tasks,
         # check_health, do_log_stats, ...) is the engine's own: the latest one built, so that the serving
         # layer's reads of static attributes keep working while a dead engine is being replaced.
-        return getattr(self._supervisor.latest_engine, name)
+        return getattr(self._port.latest_engine, name)

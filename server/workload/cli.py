@@ -12,11 +12,13 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from server.workload import compare, generator, plots, report
+
+T = TypeVar("T")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -59,16 +61,15 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _from_flags(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """The dataclass ``cls`` from the parsed flags named as its fields, ``given`` over them (fields without a
+    flag of their name keep their defaults)."""
+    flags = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    return cls(**{**flags, **given})
+
+
 def _config(args: argparse.Namespace) -> generator.TwoPassConfig:
-    return generator.TwoPassConfig(
-        seed=args.seed,
-        image_sizes=args.image_sizes,
-        primary_words=args.primary_words,
-        rescue_words=args.rescue_words,
-        max_tokens=args.max_tokens,
-        stream_share=args.stream_share,
-        image_dir=args.image_dir,
-    )
+    return _from_flags(generator.TwoPassConfig, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,21 +264,13 @@ def _print_ratios(a: str, b: str, result: dict[str, Any]) -> None:
 
 def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    opts = compare.CompareOptions(
-        model=args.model,
-        scenario=args.scenario,
+    opts = _from_flags(
+        compare.CompareOptions,
+        args,
         serve_args=tuple(serve_args),
         workload=_config(args),
-        rounds=args.rounds,
-        warmup=args.warmup,
-        pairs=args.pairs,
-        instances=args.instances,
-        concurrency=args.concurrency,
-        kill_after=args.kill_after,
         fault_every_s=args.fault_every,
         fault_duration_s=args.fault_duration,
-        emulate_padding=args.emulate_padding,
-        out=args.out,
         progress=not args.no_progress,
         trace=not args.no_trace,
     )

@@ -12,7 +12,7 @@ import pytest
 
 from server.guard.supervisor import EngineState
 from server.workload.images import photo_uri
-from tests.helpers import chat_body
+from tests.helpers import POISON_CASES, chat_body
 from tests.inprocess import Api
 
 CHAT = "/v1/chat/completions"
@@ -22,25 +22,9 @@ def text_chat(model: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "Is the exit clear?"}], "max_tokens": 2, **extra}
 
 
-POISON = {
-    "structured_outputs without a usable constraint": ({"structured_outputs": {"json_object": False}}, "no usable"),
-    "an empty JSON schema string": ({"structured_outputs": {"json": ""}}, "no usable"),
-    "a grammar the backend cannot compile": ({"structured_outputs": {"grammar": "root ::= ( "}}, "compiled"),
-    "a response_format schema the backend cannot compile": (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "strin"}}}},
-        "compiled",
-    ),
-    "an out-of-vocabulary stop token with min_tokens": ({"stop_token_ids": [10**6], "min_tokens": 2}, "vocabulary"),
-    "a literal placeholder token": (
-        {"messages": [{"role": "user", "content": "look <|vision_start|><|image_pad|><|vision_end|>"}]},
-        "placeholder",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(POISON))
+@pytest.mark.parametrize("case", list(POISON_CASES))
 async def test_known_poison_is_refused_before_the_engine(api: Api, case: str) -> None:
-    extra, needle = POISON[case]
+    extra, needle = POISON_CASES[case]
     seen = len(api.engine.requests)
     resp = await api.client.post(CHAT, json=text_chat(api.model, **extra))
     assert resp.status_code == 400, resp.text
@@ -107,16 +91,16 @@ async def test_held_bodies_count_against_the_budget(make_api: Any) -> None:
     """Bodies held while the engine restarts keep their bytes: once they fill the budget, the next body
     gets 503 at once instead of growing the process."""
     api: Api = await make_api("--guard-max-body-memory-mb", "1")
-    api.supervisor._set_state(EngineState.RESTARTING)
+    api.supervisor.states.set(EngineState.RESTARTING)
     held = text_chat(api.model, user="y" * 400_000)
     tasks = [asyncio.create_task(api.client.post(CHAT, json=held)) for _ in range(2)]
     try:
         deadline = asyncio.get_running_loop().time() + 30
-        while api.supervisor._held < 2:  # both wait at the door with their bodies read
+        while api.supervisor.states.held < 2:  # both wait at the door with their bodies read
             assert asyncio.get_running_loop().time() < deadline, "the requests were never held"
             await asyncio.sleep(0.01)
         resp = await api.client.post(CHAT, json=held)
         assert resp.status_code == 503, resp.text
     finally:
-        api.supervisor._set_state(EngineState.READY)
+        api.supervisor.states.set(EngineState.READY)
     assert [r.status_code for r in await asyncio.gather(*tasks)] == [200, 200]

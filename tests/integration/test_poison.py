@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server.workload.images import photo_uri
-from tests.helpers import metric
+from tests.helpers import POISON_CASES, metric
 from tests.servers import ServerProcess
 
 pytestmark = pytest.mark.lane  # in every engine lane's focused suite
@@ -20,15 +20,8 @@ TEXT = [{"role": "user", "content": "Is the exit clear?"}]
 IMAGE = {"type": "image_url", "image_url": {"url": photo_uri("coffee.png")}}
 
 CASES: dict[str, tuple[dict[str, Any], str]] = {
-    "json-object-false": ({"structured_outputs": {"json_object": False}}, "no usable constraint"),
-    "json-empty": ({"structured_outputs": {"json": ""}}, "no usable constraint"),
-    "grammar-uncompilable": ({"structured_outputs": {"grammar": "root ::= ( "}}, "cannot be compiled"),
-    "schema-uncompilable": (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "strin"}}}},
-        "cannot be compiled",
-    ),
-    "oov-stop-with-min-tokens": ({"stop_token_ids": [10**6], "min_tokens": 2}, "outside the vocabulary"),
-    "literal-placeholder": (
+    **POISON_CASES,
+    "literal-placeholder-beside-an-image": (
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "see <|image_pad|>"}, IMAGE]}]},
         "placeholder",
     ),

@@ -62,7 +62,7 @@ async def test_ready_needs_a_recent_probe_or_output(make_guard: Callable[..., An
     g = await make_guard(ready_probe_interval=10)
     g.clock.now += 31  # three probe intervals without output
     assert not g.sup.is_ready()
-    await g.sup._check()  # idle and due: probes
+    await g.sup.watch.check()  # idle and due: probes
     assert g.sup.is_ready() and g.sup.state is EngineState.READY
 
 
@@ -74,10 +74,10 @@ async def test_an_engine_with_recent_output_is_not_probed(make_guard: Callable[.
     g.clock.now += 8
     assert await g.collect([1, 2, 3]) == greedy_tokens([1, 2, 3], 4)  # real output at t = 8
     g.clock.now += 8  # 16 s after the start-up probe, 8 s after the output
-    await g.sup._check()
+    await g.sup.watch.check()
     assert not [r for r in engine.requests[1:] if r.startswith("vlguard-probe-")]
     g.clock.now += 3  # 11 s without output: due
-    await g.sup._check()
+    await g.sup.watch.check()
     assert [r for r in engine.requests[1:] if r.startswith("vlguard-probe-")]
 
 
@@ -85,7 +85,7 @@ async def test_failed_probe_is_a_death(make_guard: Callable[..., Any]) -> None:
     g = await make_guard(ready_probe_interval=10)
     g.factory.current.die()
     g.clock.now += 11
-    await g.sup._check()
+    await g.sup.watch.check()
     await g.state(EngineState.READY)
     assert g.sup.generation == 2
 
@@ -119,7 +119,7 @@ async def test_rebuilt_engines_report_the_serving_renderer_and_shut_down_their_o
     for generation in (2, 3):
         g.factory.current.die()
         g.clock.now += 11
-        await g.sup._check()  # the probe fails: a death, then a rebuild
+        await g.sup.watch.check()  # the probe fails: a death, then a rebuild
         await g.state(EngineState.READY)
         assert g.sup.generation == generation and g.factory.current.renderer is serving
     second, third = g.factory.engines[1:]
@@ -301,10 +301,10 @@ async def test_hang_is_detected_by_the_clock(make_guard: Callable[..., Any]) -> 
     g = await make_guard(hang_timeout=60)
     first, task = await stalled_request(g)
     g.clock.now += 59
-    await g.sup._check()
+    await g.sup.watch.check()
     assert g.sup.state is EngineState.READY and g.sup.generation == 1  # not yet
     g.clock.now += 2
-    await g.sup._check()
+    await g.sup.watch.check()
     assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([3], 2)
     assert g.sup.generation == 2 and first.shut_down
 
@@ -316,10 +316,10 @@ async def test_engine_steps_without_request_output_are_not_a_hang(make_guard: Ca
     for _ in range(3):  # 177 s of steps with no request output
         g.clock.now += 59
         await first.engine_core.get_output_async()
-        await g.sup._check()
+        await g.sup.watch.check()
         assert g.sup.state is EngineState.READY and g.sup.generation == 1
     g.clock.now += 61  # then the engine core goes quiet: a hang
-    await g.sup._check()
+    await g.sup.watch.check()
     assert await asyncio.wait_for(task, WAIT_S) == greedy_tokens([3], 2)
     assert g.sup.generation == 2 and first.shut_down
 
@@ -349,7 +349,7 @@ async def test_stop_requested_during_first_startup_does_not_wait_for_the_engine(
         await asyncio.wait_for(start, WAIT_S)
     assert err.value.reason == "stopped" and g.sup.state is EngineState.STOPPED
     await asyncio.wait_for(g.sup.shutdown(), WAIT_S)  # bounded although the build still runs
-    assert g.sup.abandoned_build
+    assert g.sup.builder.abandoned_build
     factory.gate.set()  # let the thread finish
 
 
@@ -363,7 +363,7 @@ async def test_shutdown_during_a_rebuild_shuts_down_what_the_build_produced(make
     assert not stopping.done()  # waits (bounded) for the build in progress
     g.factory.gate.set()
     await asyncio.wait_for(stopping, WAIT_S)
-    assert len(g.factory.engines) == 2 and g.factory.current.shut_down and not g.sup.abandoned_build
+    assert len(g.factory.engines) == 2 and g.factory.current.shut_down and not g.sup.builder.abandoned_build
 
 
 async def test_external_kills_charge_nobody(make_guard: Callable[..., Any]) -> None:
@@ -395,7 +395,7 @@ async def test_a_step_exception_charges_only_the_requests_of_that_step(make_guar
     tasks = {rid: asyncio.create_task(g.collect([9, i], rid=rid)) for i, rid in enumerate(["a", "b", "c"])}
     await asyncio.wait_for(engine.wait_for_requests(seen + 3), WAIT_S)
     record = {"type": "ValueError", "message": "boom", "step_requests": ["b-0f0f0f0f"], "new_requests": ["b-0f0f0f0f"]}
-    (g.sup.engine_dir(g.sup.generation) / "fatal-1.json").write_text(json.dumps(record))
+    (g.sup.builder.engine_dir(g.sup.generation) / "fatal-1.json").write_text(json.dumps(record))
     engine.die()
     with pytest.raises(QuarantinedRequestError):
         await asyncio.wait_for(tasks["b"], WAIT_S)

@@ -1,0 +1,213 @@
+"""Bringing engines up and down (API process): the steps of one build, a build left unfinished at shutdown,
+a dead engine's teardown, and the spare engine process kept for the next build.
+
+The supervisor (:mod:`server.guard.supervisor`) decides *when*; this module is *how*, with the primitives
+of :mod:`server.guard.lifecycle` and the hooks of :mod:`server.vllm_hooks.async_llm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from server.engine.protocol import EngineSettings, engine_dir
+from server.guard import ipc_cache, output_faults, watchdog
+from server.guard.ipc_cache import EngineCacheShadow
+from server.guard.lifecycle import Engine, EngineFactory, ServingRenderer, in_daemon_thread, teardown
+from server.guard.spare import SpareKeeper
+from server.settings import GuardSettings
+from server.vllm_hooks import async_llm
+
+if TYPE_CHECKING:
+    import psutil
+
+logger = logging.getLogger("server.guard.supervisor")
+
+#: The readiness probe's prompt (token ids; any valid id does: one token is generated from it).
+PROBE_PROMPT_IDS = (0,)
+
+
+async def probe(engine: Engine) -> None:
+    """Generate one token from a fixed one-token prompt (readiness probe).
+
+    The prompt is given as token ids: a text prompt is tokenized on the event loop's thread with the
+    tokenizer vLLM's request tokenizer uses in its own thread, and the Rust tokenizer refuses concurrent
+    use ("RuntimeError: Already borrowed": a request got a 500 under load when a probe ran beside it).
+
+    Raises:
+        Exception: whatever the engine raised.
+    """
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prompt = {"prompt_token_ids": list(PROBE_PROMPT_IDS)}
+    async for _ in engine.generate(prompt, params, f"vlguard-probe-{time.monotonic_ns()}"):
+        pass
+
+
+@dataclass
+class BuiltEngine:
+    """An engine that answered its first probe, with what its teardown and its watch need.
+
+    Attributes:
+        generation: 1 for the first engine, one more for each rebuild.
+        pids: its engine-core processes; ``tree`` those and their descendants (the workers) when it was built.
+        ipc_cache: what its engine core holds of the processed images sent to it (None: strip nothing).
+    """
+
+    engine: Engine
+    generation: int
+    pids: list[int] = field(default_factory=list)
+    tree: list[psutil.Process] = field(default_factory=list)
+    ipc_cache: EngineCacheShadow | None = None
+
+
+class EngineBuilder:
+    """Builds engines one at a time, always the same way, and takes them down.
+
+    Arguments:
+        engine_factory: builds a new engine (blocking; run in a daemon thread of its own).
+        settings: ``startup_timeout`` (one build), soft recovery's settings for the engine core.
+        state_dir: below it, each engine's directory for its engine core's records.
+        spares: keeps a spare engine process for rebuilds (:mod:`server.guard.spare`); None: every build
+            spawns its processes.
+        reap_children: at shutdown, end every process below this one (see :meth:`shut_down`).
+    """
+
+    def __init__(
+        self,
+        engine_factory: EngineFactory,
+        settings: GuardSettings,
+        state_dir: str,
+        spares: SpareKeeper | None = None,
+        reap_children: bool = False,
+    ) -> None:
+        self.engine_factory, self.settings, self.state_dir = engine_factory, settings, state_dir
+        self.spares, self.reap_children = spares, reap_children
+        self.renderer = ServingRenderer()
+        self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
+        #: True when shutdown had to leave a build behind in its daemon thread (it does not hold the exit).
+        self.abandoned_build = False
+
+    def engine_dir(self, generation: int) -> Path:
+        """Where engine ``generation``'s engine core writes its records (:mod:`server.engine.protocol`)."""
+        return engine_dir(self.state_dir, generation)
+
+    async def bring_up(self, generation: int, on_step: Callable[[], None]) -> BuiltEngine:
+        """Build engine ``generation``, drop its profiling run's images, probe it, and hook it.
+
+        Arguments:
+            on_step: called each time the API process receives a step's outputs from its engine core.
+
+        Raises:
+            TimeoutError: the build or the probe took longer than ``startup_timeout`` seconds.
+            Exception: whatever vLLM raised (a built engine that failed its probe is shut down).
+        """
+        directory = self.engine_dir(generation)
+        directory.mkdir(parents=True, exist_ok=True)
+        # Inherited by the engine-core process this build spawns (server.engine.fatal, server.engine.soft).
+        s = self.settings
+        EngineSettings(str(directory), s.soft_recovery, s.soft_recovery_max, s.restart_window).apply()
+        engine = await self._build(rebuild=generation > 1)
+        try:
+            await engine.reset_mm_cache()  # drop the profiling run's dummy images
+            self.renderer.adopt(engine)
+            await asyncio.wait_for(probe(engine), s.startup_timeout)
+        except BaseException:
+            self.renderer.release(engine)
+            await asyncio.to_thread(engine.shutdown)
+            raise
+        async_llm.on_engine_core_output(engine, on_step)
+        if (processor := async_llm.output_processor_of(engine)) is not None:
+            output_faults.confine(processor)  # a request whose output processing raises costs only itself
+        self.renderer.keep(engine)
+        pids = async_llm.engine_core_pids(engine)
+        # workers too: orphaned once their engine core dies
+        built = BuiltEngine(engine, generation, pids, watchdog.process_tree(pids), ipc_cache.shadow_for(engine))
+        if generation > 1:  # a restart: freeze the new engine's objects, as the app does at start-up
+            from vllm.utils.gc_utils import freeze_gc_heap
+
+            freeze_gc_heap()
+        return built
+
+    async def _build(self, rebuild: bool) -> Engine:
+        if self.spares is not None and rebuild:
+            self.spares.arm()  # its engine core runs in the spare, its worker in the spare's
+        building = self._building = in_daemon_thread(self.engine_factory)
+        try:
+            # shield: a cancelled wait (shutdown) leaves the build to shut_down(), which ends it
+            return await asyncio.wait_for(asyncio.shield(building), self.settings.startup_timeout)
+        finally:
+            if building.done():
+                self._building = None
+            if self.spares is not None:
+                self.spares.after_build()
+
+    async def replenish_spare(self, engine: Engine) -> None:
+        """Start the spare engine process for the next rebuild, from ``engine``'s config. Never raises."""
+        if self.spares is None or (config := getattr(engine, "vllm_config", None)) is None:
+            return
+        try:
+            await asyncio.to_thread(self.spares.replenish, config)  # spawning pickles the config: blocks
+        except Exception:  # the engine serves without a spare; the next rebuild spawns
+            logger.exception("spare engine process not started")
+
+    async def check_spare(self) -> None:
+        """Replace a spare engine process that died. Never raises."""
+        if self.spares is None:
+            return
+        try:
+            await asyncio.to_thread(self.spares.check)
+        except Exception:
+            logger.exception("spare engine process not replaced")
+
+    async def teardown(self, built: BuiltEngine | None) -> None:
+        """End a dead engine (:func:`server.guard.lifecycle.teardown`). Never raises."""
+        if built is not None:
+            await teardown(built.engine, built.pids, built.tree, self.renderer)
+
+    async def shut_down(self, engine: Engine | None) -> None:
+        """Shut the spare, ``engine`` and an unfinished build down; with ``reap_children``, every process
+        below this one but multiprocessing's resource tracker (SIGTERM, then SIGKILL). Each stage is
+        bounded by ``shutdown_timeout`` seconds. Never raises."""
+        if self.spares is not None:
+            await asyncio.to_thread(self.spares.close)
+        bound = self.settings.shutdown_timeout
+        if engine is not None:
+            self.renderer.shutdown_own(engine)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(engine.shutdown), bound)
+            except Exception:
+                logger.exception("engine shutdown did not complete cleanly")
+        await self._end_build(bound)
+        if self.reap_children:
+            await asyncio.to_thread(watchdog.end_descendants, bound)
+
+    async def _end_build(self, bound_s: float) -> None:
+        """End an engine build still running in its thread: kill what it spawned (with ``reap_children``)
+        until it gives up, then shut down whatever it built. Gives up after ``bound_s`` seconds."""
+        building, self._building = self._building, None
+        if building is None:
+            return
+        loop = asyncio.get_running_loop()  # wall-clock bound: the injectable clock is for the engine's timers
+        deadline = loop.time() + bound_s
+        while not building.done() and loop.time() < deadline:
+            if self.reap_children:
+                await asyncio.to_thread(watchdog.end_descendants, 0.0)  # its handshake with the engine then fails
+            await asyncio.wait({building}, timeout=0.5)
+        if not building.done():
+            logger.error("an engine build did not end within %.0f s of shutdown; leaving it", bound_s)
+            self.abandoned_build = True
+            return
+        if not building.cancelled() and building.exception() is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(building.result().shutdown), bound_s)
+
+
+__all__ = ["PROBE_PROMPT_IDS", "BuiltEngine", "EngineBuilder", "probe"]

@@ -1,0 +1,67 @@
+"""The restart policy (API process): how many rebuilds a window allows, and how long to wait after a
+failed one. The supervisor (:mod:`server.guard.supervisor`) asks; nothing here builds or waits."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+from server.settings import GuardSettings
+
+
+class RestartBudget:
+    """At most ``max_restarts`` counted rebuilds within a sliding ``window_s`` seconds.
+
+    Arguments:
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, max_restarts: int, window_s: float, clock: Callable[[], float]) -> None:
+        self.max_restarts, self.window_s, self.clock = max_restarts, window_s, clock
+        self._restarts: collections.deque[float] = collections.deque()
+
+    def spent(self) -> bool:
+        """Whether the budget is spent now (old restarts leave the window first)."""
+        now = self.clock()
+        while self._restarts and now - self._restarts[0] > self.window_s:
+            self._restarts.popleft()
+        return len(self._restarts) >= self.max_restarts
+
+    def spend(self) -> None:
+        """Count a restart (attempt) now."""
+        self._restarts.append(self.clock())
+
+    def __len__(self) -> int:
+        return len(self._restarts)
+
+
+class RestartPolicy:
+    """Whether one more rebuild attempt may start, and the backoff after failed ones.
+
+    Arguments:
+        settings: ``restart_max`` within ``restart_window`` seconds; ``restart_backoff`` seconds, doubling
+            with each failed attempt in a row.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, settings: GuardSettings, clock: Callable[[], float]) -> None:
+        self.budget = RestartBudget(settings.restart_max, settings.restart_window, clock)
+        self.backoff_s = settings.restart_backoff
+
+    def may_attempt(self, counted: bool, failures: int) -> bool:
+        """Whether a rebuild attempt may start now; it is then counted when the death that asked for it
+        spends the budget (``counted``: a fault charged to one request does not) or an attempt already
+        failed (then the engine, not a request, is at fault).
+
+        Arguments:
+            failures: attempts that failed since the death.
+        """
+        if self.budget.spent():
+            return False
+        if counted or failures:
+            self.budget.spend()
+        return True
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failed attempt in a row (exponential)."""
+        return float(self.backoff_s * 2 ** (failures - 1))
