@@ -26,6 +26,7 @@ from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
 from server.api.model_facts import poison_rules
 from server.api.request_fixes import install_completion_fixes
+from server.api.transport import SingleHeadersMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
 from server.guard.systemd import Notifier
@@ -200,8 +201,8 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.include_router(health_router)
     app.include_router(admin_router)
     _attach_openai_routes(app)
-    # Starlette puts each added middleware in front: on the way in, API key, CORS (as vllm serve), input
-    # guard (limits, media), admission (engine ready).
+    # Starlette puts each added middleware in front: on the way in, repeated headers, API key, CORS (as vllm
+    # serve), input guard (limits, media), admission (engine ready).
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keys=len(_api_keys(args)))
     app.add_middleware(
         InputGuardMiddleware,
@@ -215,5 +216,6 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         expose=lambda guard: setattr(app.state, "input_guard", guard),
     )
     _add_middleware(app, args)
+    app.add_middleware(SingleHeadersMiddleware)  # outermost: before the API key is read
     install_error_handlers(app)
     return app

@@ -9,8 +9,11 @@ or it ran alone on probation); past ``max_faults`` within ``window_s`` the clien
 punished for it.
 
 Who a client is (:func:`client_key`): the API key it presented when the server has several, else its
-remote address as uvicorn reports it; a loopback address (a proxy or sidecar on the host: every client
-looks the same) is no identity, and its faults charge no client budget (docs/guard.md).
+remote address as uvicorn reports it, an IPv6 address by its /64 (one subscriber's prefix: a client that
+rotates addresses inside it stays one client); a loopback address, IPv4-mapped ones included (a proxy or
+sidecar on the host: every client looks the same), is no identity, and its faults charge no client budget
+(docs/guard.md). A request may present one ``Authorization`` header only
+(:mod:`server.api.transport`), the one vLLM authenticated.
 """
 
 from __future__ import annotations
@@ -58,18 +61,27 @@ def client_key(scope: Scope, keys: int) -> str:
         loopback, and one client's faults must not refuse them all.
     """
     if keys > 1:
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        auth = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), b"")  # vLLM's: the first
         scheme, _, token = auth.decode("latin-1").partition(" ")
         if scheme.lower() == "bearer" and token:
             return "key:" + hashlib.sha256(token.encode()).hexdigest()[:12]
     client = scope.get("client")
-    host = client[0] if client else ""
+    return address_key(client[0] if client else "")
+
+
+def address_key(host: str) -> str:
+    """``"addr:<IPv4>"``, ``"addr:<IPv6 /64>"``, or "" for a loopback (IPv4-mapped too) or unparsable host."""
     try:
-        if not host or ipaddress.ip_address(host).is_loopback:
-            return ""
+        address = ipaddress.ip_address(host)
     except ValueError:
         return ""
-    return f"addr:{host}"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address):
+        return f"addr:{ipaddress.IPv6Network((address, 64), strict=False)}"
+    return f"addr:{address}"
 
 
 class ClientBudget:
