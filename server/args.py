@@ -9,7 +9,6 @@ engine flag behave exactly as under ``vllm serve``), plus one ``--guard-<name>``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -59,6 +58,7 @@ def build_parser() -> FlexibleArgumentParser:
     add_tiny_model_args(sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL (DIR or the cache)."))
     # Listed for --help only: main() hands `bench ...` to server.workload.cli before this parser runs.
     sub.add_parser("bench", help="Two-pass workload and side-by-side benchmarks (vlguard bench --help).")
+    sub.add_parser("forensics", help="List forensic records, replay one (vlguard forensics --help).")
     return parser
 
 
@@ -109,14 +109,10 @@ def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[s
     overrides, without running ``__post_init__`` (which loads plugins and, under ``HF_HUB_OFFLINE``,
     resolves the model path). Config objects print as their ``repr``.
     """
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    from server.serve import engine_config, vllm_changes
 
-    from server.serve import engine_overrides, vllm_changes
-
-    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncEngineArgs) if hasattr(args, f.name)}
-    engine.update(engine_overrides(args, settings))
     return {
-        "engine": engine,
+        "engine": engine_config(args, settings),
         "vlguard_changes": vllm_changes(args, settings),
         "frontend": {"host": args.host, "port": args.port, "served_model_name": args.served_model_name},
         "guard": settings.model_dump(),

@@ -3,7 +3,8 @@
 ``vlguard serve [model] [every vllm serve flag] [--guard-* flags]`` parses with vLLM's own parser plus
 the guard's flags (:mod:`server.args`). ``vlguard tiny-model [DIR]`` writes the embedded tiny Qwen3-VL.
 ``vlguard bench twopass|compare`` runs the two-pass workload and the side-by-side benchmarks
-(:mod:`server.workload.cli`).
+(:mod:`server.workload.cli`). ``vlguard forensics list|replay`` reads the forensic records
+(:mod:`server.forensics_cli`).
 
 vLLM is imported lazily: ``serve`` must set up the Prometheus multiprocess directory before
 ``prometheus_client`` is first imported (vLLM imports it).
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> None:
         except ModuleNotFoundError as exc:  # the bench's own dependencies are an extra
             sys.exit(f"vlguard bench needs the bench extra: pip install 'vlguard[bench]' (missing: {exc.name})")
         sys.exit(bench_main(argv[1:]))
+    if argv[:1] == ["forensics"]:  # a client: imports no vLLM
+        from server.forensics_cli import main as forensics_main
+
+        sys.exit(forensics_main(argv[1:]))
     if "--print-config" in argv:
         # stdout carries the JSON alone; vLLM logs to stdout unless told otherwise.
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

@@ -26,6 +26,7 @@ from server.settings import GuardSettings
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from server.guard.forensics import Forensics
     from server.guard.supervisor import Supervisor
 
 #: Process exit statuses. Anything non-zero makes systemd's ``Restart=on-failure`` fire.
@@ -91,6 +92,27 @@ def vllm_changes(args: argparse.Namespace, settings: GuardSettings) -> dict[str,
             "(server/patches/aot_cache.py)"
         )
     return changes
+
+
+def engine_config(args: argparse.Namespace, settings: GuardSettings) -> dict[str, Any]:
+    """The engine arguments vLLM would build from ``args`` (exactly the fields ``AsyncEngineArgs.from_cli_args``
+    hands to the constructor) with vlguard's :func:`engine_overrides`, without building them."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine = {f.name: getattr(args, f.name) for f in dataclasses.fields(AsyncEngineArgs) if hasattr(args, f.name)}
+    engine.update(engine_overrides(args, settings))
+    return engine
+
+
+def forensics(args: argparse.Namespace, settings: GuardSettings) -> Forensics | None:
+    """The forensic recorder ``--guard-forensics-dir`` asks for (:mod:`server.guard.forensics`), or None."""
+    if not settings.forensics_dir:
+        return None
+    from server.guard.forensics import Forensics, engine_facts
+
+    max_bytes = int(settings.forensics_max_mb * 1024 * 1024)
+    facts = engine_facts(engine_config(args, settings))
+    return Forensics(settings.forensics_dir, settings.forensics_media, settings.forensics_max_records, max_bytes, facts)
 
 
 def engine_args(args: argparse.Namespace, settings: GuardSettings) -> AsyncEngineArgs:
@@ -228,7 +250,9 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         shutil.rmtree(state_dir, ignore_errors=True)
         return EXIT_STARTUP_FAILED
     spares = SpareKeeper() if settings.spare else None
-    supervisor = Supervisor(factory, settings, state_dir=state_dir, reap_children=True, spares=spares)
+    supervisor = Supervisor(
+        factory, settings, state_dir=state_dir, reap_children=True, spares=spares, forensics=forensics(args, settings)
+    )
     app = create_app(args, settings, supervisor)
     config = uvicorn.Config(
         app,

@@ -168,6 +168,24 @@ class GuardSettings(BaseSettings):
     quarantine_ttl: float = Field(default=3600.0, gt=0)
     """Seconds after its last strike that a fingerprint is forgotten."""
 
+    forensics_dir: str | None = None
+    """Directory for a forensic record of every request charged with an engine fault or quarantined (off
+    when unset): the request as the engine received it (route, body, prompt token ids, sampling
+    parameters), its fingerprint, each fault with its traceback, the other requests of the failing step
+    (ids and fingerprints), the engine's versions and non-secret arguments. No header is kept, so no
+    credential. ``vlguard forensics list|replay`` reads them (docs/guard.md)."""
+
+    forensics_media: bool = False
+    """Keep the media (base64 images) of a forensic record's body (on/off). Off: each is replaced by its
+    SHA-256 and size (a record with media omitted cannot be replayed as it was)."""
+
+    forensics_max_records: int = Field(default=200, ge=1)
+    """Forensic records kept at most; the oldest are removed first."""
+
+    forensics_max_mb: float = Field(default=256.0, gt=0)
+    """MiB the forensic records may take in all; the oldest are removed first (a record larger than this
+    alone is written without its body)."""
+
     probation_drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds a request on probation (a strike on its record) waits for the requests already in the engine
     to finish so that it runs alone; past it, it runs beside them. New requests wait while its first step

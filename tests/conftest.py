@@ -12,7 +12,8 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
   server Prometheus scrapes (no padding: a healthy server must raise no alert). Its model runner raises
   on prompts holding ``EAGER_POISON_WORD`` and its scheduler on admitting ``EAGER_ADMIT_WORD`` (test fault
   plugin; no other prompt is affected), for the soft-recovery tests every lane runs, and its steps are
-  slow while ``slow_steps_flag(eager_server)`` exists.
+  slow while ``slow_steps_flag(eager_server)`` exists. It keeps forensic records (``forensics_dir``) and
+  opens its operator routes with ``OPERATOR_KEY``.
 """
 
 from __future__ import annotations
@@ -30,11 +31,17 @@ EAGER_POISON_WORD = " Halcyonpetrichormarker"
 EAGER_ADMIT_WORD = " Gossamerquincemarker"  # the scheduler raises admitting it (a fault outside any model step)
 SLOW_STEPS_ENV = "VLGUARD_TEST_SLOW_STEPS_IF"  # the fault plugin's: each step sleeps while that file exists
 DROP_MM_CACHE_ENV = "VLGUARD_TEST_DROP_MM_CACHE_IF"  # the fault plugin's: engine-side image cache emptied
+FORENSICS_ENV = "VLGUARD_FORENSICS_DIR"  # --guard-forensics-dir
 
 
 def slow_steps_flag(srv: ServerProcess) -> Path:
     """The file whose presence makes every step of ``srv``'s engine slow (25 ms more: the fault plugin)."""
     return Path(srv.env[SLOW_STEPS_ENV])
+
+
+def forensics_dir(srv: ServerProcess) -> Path:
+    """Where ``srv`` writes its forensic records (``--guard-forensics-dir``)."""
+    return Path(srv.env[FORENSICS_ENV])
 
 
 def drop_mm_cache_flag(srv: ServerProcess) -> Path:
@@ -75,6 +82,7 @@ def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
     poison = ",".join(map(str, token_ids(tiny_model, EAGER_POISON_WORD)))
     flags = {SLOW_STEPS_ENV: str(logs / "slow-steps"), DROP_MM_CACHE_ENV: str(logs / "drop-mm-cache")}
     admit = ",".join(map(str, token_ids(tiny_model, EAGER_ADMIT_WORD)))
+    flags |= {FORENSICS_ENV: str(logs / "forensics"), "VLGUARD_OPERATOR_KEY": OPERATOR_KEY}
     env = engine_env(VLGUARD_TEST_POISON_TOKENS=poison, VLGUARD_TEST_POISON_ADMIT_TOKENS=admit, **flags)
     # A spare: the C5 kill test asserts the rebuild runs in it, and the step-fault tests rebuild too.
     argv = vlguard_argv(tiny_model, "--enforce-eager", *SPARE)

@@ -327,9 +327,12 @@ class GuardHarness:
     Arguments:
         settings: :class:`GuardSettings` fields over the harness's defaults (no watchdog ticks, a 1 s
             backoff, holds bounded by ``wait_s``).
+        forensics: a :class:`server.guard.forensics.Forensics` for the supervisor, or None.
     """
 
-    def __init__(self, factory: FakeEngineFactory, wait_s: float = 10.0, **settings: Any) -> None:
+    def __init__(
+        self, factory: FakeEngineFactory, wait_s: float = 10.0, forensics: Any = None, **settings: Any
+    ) -> None:
         from server.guard.engine_client import GuardedEngineClient
         from server.guard.supervisor import Supervisor
         from server.settings import GuardSettings
@@ -342,7 +345,9 @@ class GuardHarness:
         self.clock = ManualClock()
         self.slept: list[float] = []
         self.failed_calls = 0
-        self.sup = Supervisor(factory, self.settings, on_failed=self._on_failed, clock=self.clock, sleep=self._sleep)
+        self.sup = Supervisor(
+            factory, self.settings, on_failed=self._on_failed, clock=self.clock, sleep=self._sleep, forensics=forensics
+        )
         self.client = GuardedEngineClient(self.sup)
 
     def _on_failed(self) -> None:

@@ -81,15 +81,16 @@ Operator = Annotated[None, Depends(require_operator)]
 
 @router.get("/quarantine")
 async def list_quarantine(supervisor: SupervisorDep, _: Operator) -> dict[str, Any]:
-    """``{"quarantine_deaths": K, "entries": [{"fingerprint", "strikes", "last_strike_s_ago", "refused"}]}``."""
-    q = supervisor.quarantine
-    return {
-        "quarantine_deaths": q.deaths,
-        "entries": [
-            {"fingerprint": fp, "strikes": n, "last_strike_s_ago": round(age, 1), "refused": n >= q.deaths}
-            for fp, n, age in q.entries()
-        ],
-    }
+    """``{"quarantine_deaths": K, "entries": [{"fingerprint", "strikes", "last_strike_s_ago", "refused",
+    "record"}]}``; ``record`` is the fingerprint's forensic record (a path on the server, ``--guard-forensics-dir``),
+    or null."""
+    q, forensics = supervisor.quarantine, supervisor.forensics
+    entries = []
+    for fp, n, age in q.entries():
+        path = forensics.path(fp) if forensics is not None else None
+        entry = {"fingerprint": fp, "strikes": n, "last_strike_s_ago": round(age, 1), "refused": n >= q.deaths}
+        entries.append({**entry, "record": str(path) if path is not None else None})
+    return {"quarantine_deaths": q.deaths, "entries": entries}
 
 
 @router.delete("/quarantine")

@@ -57,6 +57,7 @@ from server.api.media import (
 )
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
+from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
 from server.vllm_hooks.locations import upstream_image_rules
@@ -263,6 +264,7 @@ class InputGuardMiddleware:
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
 
         replayed = False
+        current_request.set((f"POST {route_path(scope)}", raw))  # the forensic record's (server.guard.forensics)
 
         async def replay() -> Message:
             nonlocal replayed

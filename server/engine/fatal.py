@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from server.engine.protocol import EngineSettings, FatalRecord, write_fatal
+from server.engine.protocol import EngineSettings, FatalRecord, format_traceback, write_fatal
 from server.engine.step_log import remember_steps
 from server.vllm_hooks import engine_core
 
@@ -59,6 +59,7 @@ def register() -> None:
                     new_requests=new_requests,
                     suspects=log.suspects,
                     named=bool(log.culprits),
+                    traceback=format_traceback(exc),
                 )
                 try:
                     write_fatal(EngineSettings.state_dir_of(), record)

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import tempfile
+import traceback
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -189,6 +190,8 @@ class FatalRecord:
             request), every request the scheduler held: they re-enter one at a time on probation, so the
             next fault names the culprit.
         named: whether ``step_requests`` were named by the failing code itself (not the whole step's).
+        traceback: the exception's formatted traceback, its last :data:`TRACEBACK_CHARS` characters (the
+            innermost frames), for the forensic record (:mod:`server.guard.forensics`).
     """
 
     type: str
@@ -197,6 +200,7 @@ class FatalRecord:
     new_requests: list[str] = field(default_factory=list)
     suspects: list[str] = field(default_factory=list)
     named: bool = False
+    traceback: str = ""
 
     def describe(self) -> str:
         """``"<Type>: <message>"``."""
@@ -212,6 +216,7 @@ class SoftFault:
         step_requests, new_requests, suspects, named: as in :class:`FatalRecord`.
         cut: engine-side ids of every request finished with ``ERROR`` for the guard to carry over.
         recovery_s: seconds from the exception to the engine accepting work again.
+        traceback: as in :class:`FatalRecord`.
     """
 
     type: str
@@ -222,10 +227,21 @@ class SoftFault:
     recovery_s: float
     suspects: list[str] = field(default_factory=list)
     named: bool = False
+    traceback: str = ""
 
     def describe(self) -> str:
         """``"<Type>: <message>"``."""
         return f"{self.type}: {self.message}"
+
+
+#: Characters of a fault's formatted traceback kept in its record (the innermost frames are last).
+TRACEBACK_CHARS = 8000
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it (chained exceptions included), its last
+    :data:`TRACEBACK_CHARS` characters."""
+    return "".join(traceback.format_exception(exc))[-TRACEBACK_CHARS:]
 
 
 def _directory(directory: str | Path) -> Path:
@@ -259,6 +275,7 @@ def read_fatal(directory: str | Path) -> FatalRecord | None:
             new_requests=[str(r) for r in data.get("new_requests") or []],
             suspects=[str(r) for r in data.get("suspects") or []],
             named=bool(data.get("named")),
+            traceback=str(data.get("traceback") or ""),
         )
     return None
 
@@ -293,6 +310,7 @@ def read_soft_faults(directory: str | Path, skip: Iterable[str] = ()) -> list[tu
                 recovery_s=float(data["recovery_s"]),
                 suspects=[str(r) for r in data.get("suspects") or []],
                 named=bool(data.get("named")),
+                traceback=str(data.get("traceback") or ""),
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue

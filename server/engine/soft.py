@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.engine.protocol import EngineSettings, SoftFault, request_bases, write_soft_fault
+from server.engine.protocol import EngineSettings, SoftFault, format_traceback, request_bases, write_soft_fault
 from server.engine.step_log import StepLog
 from server.vllm_hooks import engine_core
 
@@ -165,6 +165,7 @@ def absorb(
         recovery_s=time.monotonic() - started,
         suspects=list(log.suspects),
         named=bool(log.culprits),
+        traceback=format_traceback(exc),
     )
     # before the finishes: the guard reads it when one arrives
     write_soft_fault(EngineSettings.state_dir_of(), record, seq)

@@ -22,9 +22,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from server.engine.protocol import FatalRecord, SoftFault, api_ids, read_soft_faults
+from server.engine.protocol import FatalRecord, SoftFault, api_ids, format_traceback, read_soft_faults
 from server.guard import watchdog
 from server.guard.clients import ClientBudget
+from server.guard.forensics import Charge, Forensics
 from server.guard.inflight import InflightLedger
 from server.guard.quarantine import Quarantine
 from server.metrics import definitions as m
@@ -66,11 +67,19 @@ class FaultAccounting:
         settings: vlguard's options (quarantine, client budget, restart window).
         inflight: the requests inside each engine (who to charge, and their clients).
         clock: monotonic seconds.
+        forensics: writes a record of each request charged (``--guard-forensics-dir``), or None.
     """
 
-    def __init__(self, settings: GuardSettings, inflight: InflightLedger, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        settings: GuardSettings,
+        inflight: InflightLedger,
+        clock: Callable[[], float],
+        forensics: Forensics | None = None,
+    ) -> None:
         self.settings = settings
         self.inflight = inflight
+        self.forensics = forensics
         self.quarantine = Quarantine(
             settings.quarantine_deaths, settings.quarantine_size, settings.quarantine_ttl, clock=clock
         )
@@ -87,16 +96,21 @@ class FaultAccounting:
         """A new engine serves: its records and cuts start empty."""
         self._soft_read, self._soft_cut = set(), set()
 
-    def charge(self, inflight: dict[str, str], charged: list[str], record: FatalRecord | SoftFault | None) -> None:
+    def charge(
+        self, inflight: dict[str, str], charged: list[str], record: FatalRecord | SoftFault | None, kind: str
+    ) -> None:
         """Give each charged request (id -> fingerprint in ``inflight``) a strike; charge its client's fault
         budget when the fault named that request alone; put a fault's suspects (it named nobody) on
-        probation."""
+        probation; write each charged request's forensic record (``kind``: ``fatal``, ``soft``,
+        ``output``)."""
         evidence = "named" if record is not None and record.named else "step_exception"
         if charged:
             m.QUARANTINE_STRIKES.labels(evidence=evidence).inc(len(charged))
         for fp in self.quarantine.record_death(inflight[rid] for rid in charged):
             logger.error("request %s quarantined: charged with %d engine faults", fp, self.quarantine.deaths)
         m.QUARANTINED.set(self.quarantine.quarantined_count())
+        if self.forensics is not None and record is not None:
+            self._record(inflight, charged, record, kind)
         if len(charged) == 1 and (client := self.inflight.client_of(charged[0])):
             m.CLIENT_FAULTS.inc()
             for refused in self.clients.charge([client]):
@@ -108,6 +122,14 @@ class FaultAccounting:
             self.suspects |= {fp for rid, fp in inflight.items() if rid in suspects}
             while len(self.suspects) > self.settings.quarantine_size:
                 self.suspects.pop()
+
+    def _record(self, inflight: dict[str, str], charged: list[str], record: FatalRecord | SoftFault, kind: str) -> None:
+        assert self.forensics is not None
+        for rid in charged:
+            fp = inflight[rid]
+            peers = [(r, inflight[r]) for r in charged if r != rid]
+            charge = Charge(kind, record, peers, self.quarantine.is_quarantined(fp))
+            self.forensics.charged(rid, fp, self.inflight.evidence_of(rid), charge)
 
     def is_suspect(self, fp: str) -> bool:
         """Whether ``fp`` runs on probation: it has a strike, or was in the engine at a fault that named no
@@ -131,7 +153,7 @@ class FaultAccounting:
             m.RECOVERY_DURATION.labels(kind="soft").observe(record.recovery_s)
             inflight = self.inflight.requests(generation)
             charged = charged_requests(inflight, record)
-            self.charge(inflight, charged, record)
+            self.charge(inflight, charged, record, "soft")
             logger.error(
                 "engine generation %d: step fault (cause: %s) absorbed in %.3f s; %d request(s) cut and carried "
                 "over; %s: %s",
@@ -152,11 +174,11 @@ class FaultAccounting:
         fault named to that request, absorbed without touching the engine (counted as a soft recovery)."""
         inflight = self.inflight.requests(generation)
         record = SoftFault(type(fault.__cause__ or fault).__name__, str(fault)[:2000], [request_id], [],
-                           [request_id], 0.0, named=True)  # fmt: skip
+                           [request_id], 0.0, named=True, traceback=format_traceback(fault))  # fmt: skip
         m.ENGINE_DEATHS.labels(cause=watchdog.exception_cause(record.describe()).value).inc()
         m.ENGINE_RECOVERIES.labels(kind="soft").inc()
         m.RECOVERY_DURATION.labels(kind="soft").observe(0.0)
-        self.charge(inflight, [request_id] if request_id in inflight else [], record)
+        self.charge(inflight, [request_id] if request_id in inflight else [], record, "output")
         logger.error(
             "engine generation %d: processing the output of request %s (%s) failed; charged to it and carried "
             "over: %s", generation, request_id, inflight.get(request_id), record.describe()[:300],

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from server.guard.clients import current_client
 from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
+from server.guard.forensics import Evidence, current_request
 from server.guard.ipc_cache import cache_miss
 from server.guard.output_faults import output_fault
 from server.guard.port import EnginePort
@@ -182,9 +183,11 @@ class GuardedEngineClient:
         fp = fingerprint(prompt, sampling_params)
         self._check_quarantine(fp)
         carry = Carry.start(prompt, sampling_params)
+        route, body = current_request.get() or (None, None)
+        evidence = Evidence(route, body, prompt, sampling_params, current_client.get())
         carries = 0
         while True:
-            async with contextlib.aclosing(self._attempt(carry, fp, request_id, kwargs)) as outputs:
+            async with contextlib.aclosing(self._attempt(carry, fp, request_id, evidence, kwargs)) as outputs:
                 async for output in outputs:
                     yield output
             if carry.outcome is Outcome.DONE:
@@ -205,7 +208,7 @@ class GuardedEngineClient:
             logger.warning("request %s (%s) carried over: %s", request_id, fp, carry.how())
 
     async def _attempt(
-        self, carry: Carry, fp: str, request_id: str, kwargs: dict[str, Any]
+        self, carry: Carry, fp: str, request_id: str, evidence: Evidence, kwargs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
         """One try of the request on the current engine: its outputs as they may be handed on; how it
         ended is left in ``carry.outcome``."""
@@ -213,7 +216,7 @@ class GuardedEngineClient:
 
         port = self._port
         carry.outcome = Outcome.RETRY
-        async with port.attempt(request_id, fp, current_client.get()) as attempt:
+        async with port.attempt(request_id, fp, evidence) as attempt:
             if attempt is None:
                 return
             prompt, params, rerun = carry.inputs()

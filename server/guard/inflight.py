@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from server.guard.errors import EngineUnavailableError
 from server.metrics import definitions as m
@@ -32,7 +33,8 @@ class InflightLedger:
     def __init__(self, hold_timeout_s: float, drain_timeout_s: float = 30.0) -> None:
         self.hold_timeout_s = hold_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        self._requests: dict[str, tuple[str, int, str]] = {}  # request id -> (fingerprint, generation, client)
+        # request id -> (fingerprint, generation, client, evidence for the forensic record)
+        self._requests: dict[str, tuple[str, int, str, Any]] = {}
         self._probation = asyncio.Lock()
         self._empty = asyncio.Event()  # set while no request is inside an engine
         self._empty.set()
@@ -47,18 +49,26 @@ class InflightLedger:
 
     def requests(self, generation: int) -> dict[str, str]:
         """Request id -> fingerprint of the requests inside engine ``generation``."""
-        return {rid: fp for rid, (fp, gen, _) in self._requests.items() if gen == generation}
+        return {rid: fp for rid, (fp, gen, _, _) in self._requests.items() if gen == generation}
 
     def client_of(self, request_id: str) -> str:
         """The client (:func:`server.guard.clients.client_key`) that sent ``request_id`` ("" if unknown)."""
         entry = self._requests.get(request_id)
         return entry[2] if entry is not None else ""
 
+    def evidence_of(self, request_id: str) -> Any:
+        """What the engine client handed in for ``request_id`` (:class:`server.guard.forensics.Evidence`),
+        or None."""
+        entry = self._requests.get(request_id)
+        return entry[3] if entry is not None else None
+
     @contextlib.contextmanager
-    def entered(self, request_id: str, fp: str, generation: int, client: str = "") -> Iterator[None]:
+    def entered(
+        self, request_id: str, fp: str, generation: int, client: str = "", evidence: Any = None
+    ) -> Iterator[None]:
         """Record ``request_id`` (sent by ``client``) as inside engine ``generation`` for the duration of
         the block."""
-        self._requests[request_id] = (fp, generation, client)
+        self._requests[request_id] = (fp, generation, client, evidence)
         self._empty.clear()
         m.REQUESTS_INFLIGHT.set(len(self._requests))
         try:

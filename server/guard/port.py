@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from server.guard.forensics import Evidence
 from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine
 from server.guard.states import EngineState
@@ -57,9 +58,10 @@ class EnginePort(Protocol):
         """Raises :class:`~server.guard.errors.QuarantinedRequestError` when ``fp`` is quarantined."""
         ...
 
-    def attempt(self, request_id: str, fp: str, client: str) -> AbstractAsyncContextManager[Attempt | None]:
+    def attempt(self, request_id: str, fp: str, evidence: Evidence) -> AbstractAsyncContextManager[Attempt | None]:
         """Wait (bounded) for the READY engine and admit the request (a suspect alone), on the in-flight
-        ledger for the block; None when the engine died while it waited (try again).
+        ledger for the block with its ``evidence`` (its client; its forensic record's content); None when
+        the engine died while it waited (try again).
 
         Raises:
             EngineUnavailableError: no engine became READY in time.

@@ -25,8 +25,8 @@ from server.guard import watchdog
 from server.guard.accounting import FaultAccounting, charged_requests, describe_charge
 from server.guard.builder import BuiltEngine, EngineBuilder
 from server.guard.errors import EngineUnavailableError
+from server.guard.forensics import Evidence, Forensics
 from server.guard.inflight import InflightLedger
-from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine, EngineFactory, build_async_llm
 from server.guard.port import Attempt
 from server.guard.restart_policy import RestartBudget, RestartPolicy
@@ -66,6 +66,7 @@ class Supervisor:
             wait (seconds); injectable for tests.
         reap_children: at shutdown, end every process below this one (:meth:`EngineBuilder.shut_down`).
         spares: keeps a spare engine process for rebuilds (:mod:`server.guard.spare`).
+        forensics: records each request charged with a fault (:mod:`server.guard.forensics`), or None.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class Supervisor:
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         reap_children: bool = False,
         spares: SpareKeeper | None = None,
+        forensics: Forensics | None = None,
     ) -> None:
         self.settings, self.on_failed, self.clock, self._sleep = settings, on_failed, clock, sleep
         self.state_dir = state_dir or new_state_dir()
@@ -88,7 +90,8 @@ class Supervisor:
         #: Requests inside an engine now, and the probation slot for suspects.
         self.inflight = InflightLedger(settings.hold_timeout, settings.probation_drain_timeout)
         #: strikes, client faults, suspects and soft-recovery cuts (:mod:`server.guard.accounting`)
-        self.faults = FaultAccounting(settings, self.inflight, clock)
+        self.faults = FaultAccounting(settings, self.inflight, clock, forensics)
+        self.forensics = forensics
         self.quarantine, self.clients = self.faults.quarantine, self.faults.clients
         self.watch = EngineWatch(
             settings, clock, self.inflight, self.builder, self._ready_engine, self.report_death, self.absorb_soft_faults
@@ -161,7 +164,7 @@ class Supervisor:
         self.quarantine.check(fp)
 
     @asynccontextmanager
-    async def attempt(self, request_id: str, fp: str, client: str) -> AsyncIterator[Attempt | None]:
+    async def attempt(self, request_id: str, fp: str, evidence: Evidence) -> AsyncIterator[Attempt | None]:
         """See :meth:`server.guard.port.EnginePort.attempt`. The death of the attempt's engine is reported
         while the request is still on the ledger: it was in flight."""
         try:
@@ -178,8 +181,9 @@ class Supervisor:
                 return
             if not self.inflight:
                 self.watch.note_progress(output=False)  # idle -> busy: the hang clock starts now
-            with self.inflight.entered(request_id, fp, generation, client):
-                yield Attempt(engine, generation, suspect, self.ipc_cache(generation))
+            with self.inflight.entered(request_id, fp, generation, evidence.client, evidence):
+                shadow = self._current.ipc_cache if self._current is not None else None  # this generation's
+                yield Attempt(engine, generation, suspect, shadow)
 
     def output(self, attempt: Attempt) -> None:
         self.watch.note_progress()
@@ -206,12 +210,6 @@ class Supervisor:
     def completed(self, attempt: Attempt, fp: str) -> None:
         if attempt.suspect:
             self.faults.cleared(fp)  # ran to its end on probation: no longer a suspect
-
-    def ipc_cache(self, generation: int) -> EngineCacheShadow | None:
-        """What engine ``generation``'s engine core holds of the processed images sent to it (None: strip
-        nothing; a stale generation, or an engine core without a receiver cache)."""
-        built = self._current
-        return built.ipc_cache if built is not None and built.generation == generation else None
 
     def absorb_soft_faults(self, generation: int) -> None:
         """Count the faults engine ``generation`` absorbed since the last call (soft recovery,
@@ -280,7 +278,7 @@ class Supervisor:
         m.ENGINE_DEATHS.labels(cause=cause.value).inc()
         inflight = self.inflight.requests(generation)
         charged = charged_requests(inflight, record)
-        self.faults.charge(inflight, charged, record)
+        self.faults.charge(inflight, charged, record, "fatal")
         logger.error(
             "engine generation %d died (cause: %s) with %d request(s) in flight; %s; restarting in-process",
             generation, cause.value, len(inflight), describe_charge(inflight, charged)
@@ -338,6 +336,8 @@ class Supervisor:
         self._tasks.clear()
         built, self._current, self._latest = self._current, None, None
         await self.builder.shut_down(built.engine if built is not None else None)
+        if self.forensics is not None:
+            self.forensics.close(wait=False)
         shutil.rmtree(self.state_dir, ignore_errors=True)
         if self.state is not EngineState.FAILED:
             self.states.set(EngineState.STOPPED)
