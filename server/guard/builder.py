@@ -172,12 +172,15 @@ class EngineBuilder:
         if built is not None:
             await teardown(built.engine, built.pids, built.tree, self.renderer)
 
-    async def shut_down(self, engine: Engine | None) -> None:
-        """Shut the spare, ``engine`` and an unfinished build down; with ``reap_children``, every process
-        below this one but multiprocessing's resource tracker (SIGTERM, then SIGKILL). Each stage is
-        bounded by ``shutdown_timeout`` seconds. Never raises."""
+    async def close_spare(self) -> None:
+        """End the spare engine process (at shutdown, before the engine)."""
         if self.spares is not None:
             await asyncio.to_thread(self.spares.close)
+
+    async def shut_down(self, engine: Engine | None) -> None:
+        """Shut ``engine`` and an unfinished build down; with ``reap_children``, every process below this one
+        but multiprocessing's resource tracker (SIGTERM, then SIGKILL). Each stage is bounded by
+        ``shutdown_timeout`` seconds. Never raises."""
         bound = self.settings.shutdown_timeout
         if engine is not None:
             self.renderer.shutdown_own(engine)

@@ -216,10 +216,10 @@ class GuardedEngineClient:
 
         port = self._port
         carry.outcome = Outcome.RETRY
+        prompt, params, rerun = carry.inputs()  # raises NotResumableError before the request waits
         async with port.attempt(request_id, fp, evidence) as attempt:
             if attempt is None:
                 return
-            prompt, params, rerun = carry.inputs()
             stripped = False  # images this engine core holds go as their hashes (last, after waits)
             # Not for n > 1: a stream's samples come apart, so a miss would not be seen as one.
             if not carry.whole and carry.single and attempt.ipc_cache is not None:

@@ -327,13 +327,13 @@ class Supervisor:
             self._loop.call_soon_threadsafe(self._stop_requested.set)
 
     async def shutdown(self) -> None:
-        """Stop watching and shut the engine down (:meth:`EngineBuilder.shut_down`: each stage bounded by
-        ``settings.shutdown_timeout`` seconds; worst case about three bounds plus 20 s); idempotent, never
-        raises."""
+        """Stop watching, end the spare, shut the engine down (:meth:`EngineBuilder.shut_down`: each stage
+        bounded by ``settings.shutdown_timeout`` s; worst case three bounds plus 20 s); idempotent, never raises."""
         for task in [*self._tasks, self._restart_task]:
             if task is not None:
                 task.cancel()
         self._tasks.clear()
+        await self.builder.close_spare()  # the engine stays in reach meanwhile
         built, self._current, self._latest = self._current, None, None
         await self.builder.shut_down(built.engine if built is not None else None)
         if self.forensics is not None:

@@ -82,9 +82,11 @@ class EngineWatch:
 
     async def check(self) -> None:
         """One check of the READY engine (none: nothing to do)."""
-        if (built := self._current()) is None:
+        if self._current() is None:
             return
         await self.builder.check_spare()
+        if (built := self._current()) is None:  # it died while the spare was checked
+            return
         engine, generation = built.engine, built.generation
         self._on_soft_faults(generation)
         problem = watchdog.process_problem(built.pids)
