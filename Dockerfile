@@ -27,12 +27,25 @@ RUN python3 -m pip install --no-cache-dir --no-deps /opt/vlguard \
     && chmod 0755 /usr/local/bin/vlguard-entrypoint \
     && python3 -c "import server.cli, vllm; print('vlguard on vLLM', vllm.__version__)"
 
-# Metric files of every vLLM process; vlguard wipes the directory at start. Models: mount the Hugging
-# Face cache (-v ~/.cache/huggingface:/root/.cache/huggingface), as with the stock image.
-ENV PROMETHEUS_MULTIPROC_DIR=/tmp/vlguard-metrics \
+# 3. A non-root user (uid 10001, gid 0, as the Kubernetes manifests run it; the stock image runs as root).
+#    It writes only its home: the Hugging Face cache (mount the host's there: -v
+#    ~/.cache/huggingface:/home/vlguard/.cache/huggingface), vLLM's compile cache and config, and /tmp
+#    (metric files, torch's scratch). Group 0 owns them too (g=u), so an arbitrary uid with gid 0 (OpenShift)
+#    can write them as well. Everything else stays root's and read-only to it, so the container also runs
+#    with --read-only and tmpfs on /tmp and the home (deploy/systemd/vlguard-docker.service).
+RUN useradd --uid 10001 --gid 0 --home-dir /home/vlguard --create-home --shell /usr/sbin/nologin vlguard \
+    && mkdir -p /home/vlguard/.cache/huggingface /home/vlguard/.cache/vllm /home/vlguard/.config \
+    && chown -R 10001:0 /home/vlguard && chmod -R g=u /home/vlguard
+
+# Metric files of every vLLM process; vlguard wipes the directory at start.
+ENV HOME=/home/vlguard \
+    HF_HOME=/home/vlguard/.cache/huggingface \
+    VLLM_CACHE_ROOT=/home/vlguard/.cache/vllm \
+    PROMETHEUS_MULTIPROC_DIR=/tmp/vlguard-metrics \
     VLGUARD_PORT=8000
-VOLUME ["/root/.cache/huggingface"]
+VOLUME ["/home/vlguard/.cache/huggingface"]
 EXPOSE 8000
+USER 10001:0
 
 # Liveness (/health: the process answers). Readiness for load balancers is /ready. The start period
 # covers a 30B model's load and compile.

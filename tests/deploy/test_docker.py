@@ -48,6 +48,14 @@ def test_the_stock_image_is_the_base() -> None:
     assert "HEALTHCHECK" in text and "/health" in text
 
 
+def test_the_image_runs_as_a_non_root_user_that_owns_only_its_home() -> None:
+    """#47: the last USER is uid 10001 (group 0), the caches live in its home."""
+    text = DOCKERFILE.read_text()
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1] == "10001:0"
+    assert "HF_HOME=/home/vlguard/.cache/huggingface" in text and 'VOLUME ["/home/vlguard/.cache/huggingface"]' in text
+
+
 def test_the_image_never_reinstalls_vllm_or_torch() -> None:
     """Every pip install is --no-deps and names no vLLM, torch or CUDA package: the stock builds stay."""
     installs = [cmd for line in _run_lines() for cmd in line.split("&&") if "pip install" in cmd]

@@ -31,6 +31,12 @@ from tests.servers import NO_COMPILE_WHEN_EAGER, ServerProcess, free_port
 HEALTH_INTERVAL = "2s"
 
 
+#: The hardening flags of deploy/systemd/vlguard-docker.service's ``docker run``: the container serves under
+#: them (#47).
+UNIT_RUN_FLAGS = ("--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only",
+                  "--tmpfs", "/tmp:rw,exec", "--tmpfs", "/home/vlguard:rw,exec,uid=10001,gid=0,mode=0770")  # fmt: skip
+
+
 def docker(*args: str, timeout_s: float = 600) -> str:
     out = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout_s, check=False)
     assert out.returncode == 0, f"docker {' '.join(args)}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
@@ -66,7 +72,7 @@ def container(
     name = f"vlguard-test-{port}"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLGUARD_PORT": str(port), **NO_COMPILE_WHEN_EAGER}
     docker(
-        "run", "-d", "--name", name, "--network", "host", "--health-interval", HEALTH_INTERVAL,
+        "run", "-d", "--name", name, "--network", "host", "--health-interval", HEALTH_INTERVAL, *UNIT_RUN_FLAGS,
         "-v", f"{tiny_model}:/models/tiny:ro", *[f"-e{k}={v}" for k, v in env.items()],
         vlguard_image, "--model", "/models/tiny", "--config", "/opt/vlguard/config/tiny-cpu.yaml", "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
@@ -114,6 +120,17 @@ def test_the_container_serves_an_image_request_and_turns_healthy(container: Cont
     version = httpx.get(container.url + "/version").json()
     assert version["patches"]["enabled"] is True
     poll(lambda: _health(container.name) == "healthy", 60, "HEALTHCHECK healthy")
+
+
+def test_the_container_runs_as_the_non_root_user_under_the_units_flags(container: ContainerServer) -> None:
+    """#47: every process of the container (dumb-init, vlguard, the engine's) runs as uid 10001, with the
+    systemd unit's hardening flags (no capability, no privilege escalation, read-only root)."""
+    unit = (Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "vlguard-docker.service").read_text()
+    for flag in ("--cap-drop ALL", "--security-opt no-new-privileges", "--read-only", "--tmpfs /tmp:rw,exec"):
+        assert flag in unit, flag  # the unit runs the container as this test does
+    tree = _container_tree(container.name)
+    assert len(tree) >= 3 and {p.uids().real for p in tree} == {10001}, [(p.pid, p.uids()) for p in tree]
+    assert docker("exec", container.name, "sh", "-c", "touch /opt/x 2>&1 || echo refused").endswith("refused")
 
 
 def test_an_engine_core_killed_inside_the_container_is_recovered_without_zombies(container: ContainerServer) -> None:

@@ -30,13 +30,15 @@ CONFIG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 IMAGES = ("coffee.png", "astronaut.png", "chelsea.png")
 
 
-def render(lb_port: int, stats_port: int, replicas: list[int]) -> str:
-    """The shipped configuration with its listen addresses and ``server`` lines pointed at loopback ports."""
+def render(lb_port: int, stats_port: int, replicas: list[int], internal_port: int | None = None) -> str:
+    """The shipped configuration with its listen addresses and ``server`` lines pointed at loopback ports
+    (the internal listener on ``internal_port``, else on a free one)."""
     text = CONFIG.read_text()
     servers = "".join(f"    server gpu{i} 127.0.0.1:{port}\n" for i, port in enumerate(replicas))
     out = re.sub(r"(    server gpu\d+ \S+\n)+", servers, text)
     out = out.replace("bind 0.0.0.0:8080", f"bind 127.0.0.1:{lb_port}")
     out = out.replace("bind 127.0.0.1:8404", f"bind 127.0.0.1:{stats_port}")
+    out = out.replace("bind 127.0.0.1:8405", f"bind 127.0.0.1:{internal_port or free_port()}")
     assert out.count("server gpu") == len(replicas) and f":{lb_port}" in out and f":{stats_port}" in out
     return out
 

@@ -52,7 +52,7 @@ def test_rendered_manifests_pass_the_kubernetes_schemas(rendered: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     checked = out.stdout + out.stderr
-    for kind in ("deployment", "service", "poddisruptionbudget", "persistentvolumeclaim", "namespace"):
+    for kind in ("deployment", "service", "poddisruptionbudget", "persistentvolumeclaim", "namespace", "job"):
         assert f"passed for resource {kind}/" in checked, checked
     # The Prometheus Operator's PodMonitor is a custom resource: no schema in the validator (checked below).
     assert "Couldn't find schema for kind PodMonitor" in checked
@@ -146,3 +146,45 @@ def test_pods_run_restricted_with_keys_from_a_secret(resources: dict[str, dict[s
     assert keys["VLLM_API_KEY"]["name"] == "vlguard-keys" and not keys["VLLM_API_KEY"].get("optional")
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp", "/cache", "/dev/shm"}
+
+
+def _all(rendered: Path, kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in yaml.safe_load_all(rendered.read_text()) if d["kind"] == kind}
+
+
+def test_network_policies_name_each_peer_by_namespace_and_pods_and_allow_only_dns_out(rendered: Path) -> None:
+    """#47: every ingress peer is a namespace and pod label together (a label alone admitted any pod of any
+    namespace), no empty namespace selector anywhere, the serving pods reach DNS only; the download job's
+    policy alone allows HTTPS out."""
+    assert "namespaceSelector: {}" not in rendered.read_text()
+    policies = _all(rendered, "NetworkPolicy")
+    server = policies["vlguard"]["spec"]
+    peers = [peer for rule in server["ingress"] for peer in rule["from"]]
+    assert len(peers) == 2
+    for peer in peers:
+        assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"], peer
+    assert {"vlguard.io/client": "true"} in [p["podSelector"]["matchLabels"] for p in peers]
+    assert {"app.kubernetes.io/name": "prometheus"} in [p["podSelector"]["matchLabels"] for p in peers]
+    (dns,) = server["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}  # nothing added by kustomize
+    download = policies["vlguard-model-download"]["spec"]
+    assert download["ingress"] == [] and 443 in {p["port"] for rule in download["egress"] for p in rule["ports"]}
+
+
+def test_serving_pods_read_the_model_cache_and_a_job_fills_it(rendered: Path, resources: dict[str, Any]) -> None:
+    """#47: the model cache is read-only in the serving pods (offline: no download), written by one job."""
+    c = _container(resources)
+    cache = next(m for m in c["volumeMounts"] if m["mountPath"] == "/cache")
+    assert cache["readOnly"] is True
+    volumes = {v["name"]: v for v in resources["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[cache["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and not env["VLLM_CACHE_ROOT"].startswith("/cache")
+    job = _all(rendered, "Job")["vlguard-model-download"]["spec"]["template"]["spec"]
+    (download,) = job["containers"]
+    written = next(m for m in download["volumeMounts"] if m["mountPath"] == "/cache")
+    assert not written.get("readOnly")
+    claim = {v["name"]: v for v in job["volumes"]}[written["name"]]["persistentVolumeClaim"]["claimName"]
+    assert claim == volumes[cache["name"]]["persistentVolumeClaim"]["claimName"]
+    assert download["securityContext"]["readOnlyRootFilesystem"] is True and job["securityContext"]["runAsNonRoot"]
