@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A stand-in for the stock base image vllm/vllm-openai:v<LANE>, which cannot be pulled here, with the stock
 # image's contract: `python3` (first on PATH) has pip, vLLM and torch (the lane's CPU environment, the
-# one the tests run), `python3 -m vllm.entrypoints.openai.api_server` is the entrypoint, and g++ is there
-# (torch inductor compiles C++ on the CPU platform). Built from Debian's packages (debootstrap) plus the
+# one the tests run, usable by any user), `python3 -m vllm.entrypoints.openai.api_server` is the entrypoint,
+# and g++ is there (torch inductor compiles C++ on the CPU platform). Built from Debian's packages (debootstrap) plus the
 # lane's interpreter and virtual environment at their own absolute paths, imported with `docker import`.
 #
 # Kept between runs: the tag carries the environment's name (its requirements hash), so a machine builds
@@ -33,6 +33,9 @@ debootstrap --variant=minbase \
   --include=g++,procps,ca-certificates,libnuma1,libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,libreadline8,libncursesw6,libgomp1 \
   bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log" 2>&1 \
   || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+# The stock image's Python serves any user (vlguard's image runs as uid 10001): the lane's interpreter and
+# environment live below /root on this machine, so /root must be traversable, as /usr/local is there.
+chmod 0755 "$work/rootfs/root"
 # pip inside builds verifies TLS against this machine's CA bundle (the registries' certificates).
 cp "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" "$work/rootfs/etc/ssl/certs/host-ca.crt"
 
