@@ -26,7 +26,7 @@ from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
 from server.api.model_facts import poison_rules
 from server.api.request_fixes import install_completion_fixes
-from server.api.transport import SingleHeadersMiddleware
+from server.api.transport import TransportMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
 from server.guard.systemd import Notifier
@@ -216,6 +216,6 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         expose=lambda guard: setattr(app.state, "input_guard", guard),
     )
     _add_middleware(app, args)
-    app.add_middleware(SingleHeadersMiddleware)  # outermost: before the API key is read
+    app.add_middleware(TransportMiddleware, keys=_api_keys(args))  # outermost: before anything reads the request
     install_error_handlers(app)
     return app

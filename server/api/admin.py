@@ -18,8 +18,6 @@ the same host every client is loopback):
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 from http import HTTPStatus
 from typing import Annotated, Any
@@ -27,6 +25,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 
 from server.api.deps import SupervisorDep
+from server.api.transport import bearer_matches
 from server.metrics import definitions as m
 
 router = APIRouter(prefix="/admin")
@@ -37,17 +36,6 @@ def _api_keys(request: Request) -> list[str]:
 
     args = request.app.state.args
     return [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
-
-
-def bearer_matches(header: str, keys: list[str]) -> bool:
-    """Whether an ``Authorization`` header value holds one of ``keys`` the way vLLM's ``/v1`` middleware
-    reads it: scheme ``bearer`` in any case, then the token after the first space, compared in constant
-    time (of the tokens' hashes)."""
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    given = hashlib.sha256(token.encode()).digest()
-    return any(hmac.compare_digest(given, hashlib.sha256(key.encode()).digest()) for key in keys)
 
 
 def require_operator(request: Request) -> None:

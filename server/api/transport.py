@@ -1,17 +1,27 @@
 """Checks at the ASGI transport, in front of every route (API process): what a request's headers must be
-before anything reads them.
+before anything reads them or its body.
 
-A header that may appear once but arrives several times is read differently by different readers: vLLM's
-API-key middleware takes the first ``Authorization``, a dict of the headers takes the last. A client
-refused by the per-client fault budget could otherwise present a second ``Authorization`` and be counted
-as someone else while vLLM still authenticates the first. Every request that repeats one of
-:data:`SINGLE_HEADERS` is refused with 400 before any route, middleware or body read sees it.
+- A header that may appear once but arrives several times is read differently by different readers:
+  vLLM's API-key middleware takes the first ``Authorization``, a dict of the headers takes the last. A
+  client refused by the per-client fault budget could otherwise present a second ``Authorization`` and be
+  counted as someone else while vLLM still authenticates the first. Every request that repeats one of
+  :data:`SINGLE_HEADERS` is refused with 400.
+- With API keys (``--api-key``), a request that carries a body (POST, PUT, PATCH) needs a valid key on
+  every route, not only under ``/v1`` as vLLM's middleware asks (``/tokenize``, ``/detokenize``, the
+  render routes and anything a later vLLM adds took input without a key): refused with 401 before its
+  body is read, so an anonymous client holds none of the body budget. The operator routes keep their own
+  key (:mod:`server.api.admin`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from collections.abc import Sequence
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.api.admission import route_path
 from server.api.errors import error_response
 
 #: Headers a request may carry at most once: credentials and identity (who the client is), and what tells
@@ -30,16 +40,45 @@ def repeated_header(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-class SingleHeadersMiddleware:
-    """Refuse, with 400 in the OpenAI error envelope, an HTTP request that repeats a header of
-    :data:`SINGLE_HEADERS` (pure ASGI: the body is never read)."""
+def bearer_matches(header: str, keys: Sequence[str]) -> bool:
+    """Whether an ``Authorization`` header value holds one of ``keys`` the way vLLM's ``/v1`` middleware
+    reads it: scheme ``bearer`` in any case, then the token after the first space, compared in constant
+    time (of the tokens' hashes)."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = hashlib.sha256(token.encode()).digest()
+    return any(hmac.compare_digest(given, hashlib.sha256(key.encode()).digest()) for key in keys)
 
-    def __init__(self, app: ASGIApp) -> None:
+
+#: Methods whose requests carry a body: with API keys, they need one before the body is read.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class TransportMiddleware:
+    """Refuse, in the OpenAI error envelope and without reading the body (pure ASGI): an HTTP request that
+    repeats a header of :data:`SINGLE_HEADERS` (400); with ``keys``, one of :data:`BODY_METHODS` without a
+    valid key, outside the operator routes (401).
+
+    Arguments:
+        keys: the API keys the server requires; empty: none.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Sequence[str] = ()) -> None:
         self.app = app
+        self.keys = list(keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (name := repeated_header(scope.get("headers") or [])) is not None:
-            response = error_response(400, f"the {name} header may appear only once", param=name)
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            if (name := repeated_header(headers)) is not None:
+                await error_response(400, f"the {name} header may appear only once", param=name)(scope, receive, send)
+                return
+            if self.keys and scope["method"] in BODY_METHODS and not route_path(scope).startswith("/admin/"):
+                auth = next((v for k, v in headers if k == b"authorization"), b"").decode("latin-1")
+                if not bearer_matches(auth, self.keys):
+                    response = error_response(401, "missing or invalid API key", param="authorization",
+                                              headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                    await response(scope, receive, send)
+                    return
         await self.app(scope, receive, send)

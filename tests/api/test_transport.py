@@ -71,3 +71,38 @@ async def test_a_repeated_content_type_or_request_id_is_refused(api: Api) -> Non
             headers.append(("content-type", "application/json"))
         resp = await api.client.post("/v1/completions", content=body, headers=headers)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == name, resp.text
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/chat/completions", "/v1/not-a-route"])
+async def test_with_a_key_a_body_without_one_is_refused_on_every_route(make_api: Any, path: str) -> None:
+    """#44: vLLM's key middleware guards /v1 only; /tokenize and /detokenize took input without a key."""
+    api: Api = await make_api("--api-key", KEY)
+    body = {"model": api.model, "prompt": "hi", "tokens": [1, 2], "messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({}, {"authorization": "Bearer sk-wrong"}, {"authorization": KEY}):
+        resp = await api.client.post(path, json=body, headers=headers)
+        assert resp.status_code == 401, (headers, resp.text)
+        assert resp.json()["error"]["param"] == "authorization" and resp.headers["www-authenticate"] == "Bearer"
+    if path in ("/tokenize", "/detokenize"):
+        ok = await api.client.post(path, json=body, headers={"authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, ok.text
+    assert (await api.client.get("/health")).status_code == 200  # no key needed to tell it is alive
+
+
+async def test_an_unauthenticated_body_is_never_read() -> None:
+    """The refusal comes before the body: a stalled anonymous upload holds nothing."""
+    from server.api.transport import TransportMiddleware
+
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("the app was called")
+
+    async def receive() -> dict[str, Any]:
+        raise AssertionError("the body was read")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/detokenize", "root_path": "", "headers": []}
+    await TransportMiddleware(app, keys=[KEY])(scope, receive, send)
+    assert sent[0]["status"] == 401
