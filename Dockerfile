@@ -32,7 +32,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps /opt/vlguard \
 #    ~/.cache/huggingface:/home/vlguard/.cache/huggingface), vLLM's compile cache and config, and /tmp
 #    (metric files, torch's scratch). Group 0 owns them too (g=u), so an arbitrary uid with gid 0 (OpenShift)
 #    can write them as well. Everything else stays root's and read-only to it, so the container also runs
-#    with --read-only and tmpfs on /tmp and the home (deploy/systemd/vlguard-docker.service).
+#    with --read-only and tmpfs on /tmp, the home and ~/.cache (deploy/systemd/vlguard-docker.service).
 RUN useradd --uid 10001 --gid 0 --home-dir /home/vlguard --create-home --shell /usr/sbin/nologin vlguard \
     && mkdir -p /home/vlguard/.cache/huggingface /home/vlguard/.cache/vllm /home/vlguard/.config \
     && chown -R 10001:0 /home/vlguard && chmod -R g=u /home/vlguard

@@ -39,11 +39,22 @@ def cached_tiny_model(cache: str | Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=base))
         try:
             devmodel.build_tiny_model(tmp)
-            tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from a service user (systemd User=, containers)
             tmp.rename(path)
         except OSError:
             if not (path / "model.safetensors").exists():
                 raise
         finally:  # another process built it meanwhile, or the build failed
             shutil.rmtree(tmp, ignore_errors=True)
+    _readable_by_all(path)
     return path
+
+
+def _readable_by_all(path: Path) -> None:
+    """Make the model readable by every user (mkdtemp's 0700 and the weights file's 0600 hid it from a service
+    user: systemd ``User=``, the image's uid 10001). Where it is someone else's, leave it."""
+    import contextlib
+
+    with contextlib.suppress(OSError):
+        path.chmod(0o755)
+        for file in path.iterdir():
+            file.chmod(file.stat().st_mode | 0o444)

@@ -33,8 +33,9 @@ HEALTH_INTERVAL = "2s"
 
 #: The hardening flags of deploy/systemd/vlguard-docker.service's ``docker run``: the container serves under
 #: them (#47).
-UNIT_RUN_FLAGS = ("--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only",
-                  "--tmpfs", "/tmp:rw,exec", "--tmpfs", "/home/vlguard:rw,exec,uid=10001,gid=0,mode=0770")  # fmt: skip
+UNIT_RUN_FLAGS = ("--cap-drop", "ALL", "--security-opt", "no-new-privileges", "--read-only", "--tmpfs", "/tmp:rw,exec",
+                  "--tmpfs", "/home/vlguard:rw,exec,uid=10001,gid=0,mode=0770",
+                  "--tmpfs", "/home/vlguard/.cache:rw,exec,uid=10001,gid=0,mode=0770")  # fmt: skip
 
 
 def docker(*args: str, timeout_s: float = 600) -> str:
@@ -126,7 +127,8 @@ def test_the_container_runs_as_the_non_root_user_under_the_units_flags(container
     """#47: every process of the container (dumb-init, vlguard, the engine's) runs as uid 10001, with the
     systemd unit's hardening flags (no capability, no privilege escalation, read-only root)."""
     unit = (Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "vlguard-docker.service").read_text()
-    for flag in ("--cap-drop ALL", "--security-opt no-new-privileges", "--read-only", "--tmpfs /tmp:rw,exec"):
+    for flag in ("--cap-drop ALL", "--security-opt no-new-privileges", "--read-only", "--tmpfs /tmp:rw,exec",
+                 "--tmpfs /home/vlguard:", "--tmpfs /home/vlguard/.cache:"):  # fmt: skip
         assert flag in unit, flag  # the unit runs the container as this test does
     tree = _container_tree(container.name)
     assert len(tree) >= 3 and {p.uids().real for p in tree} == {10001}, [(p.pid, p.uids()) for p in tree]
