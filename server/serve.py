@@ -241,7 +241,10 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     state_dir = new_state_dir()
     os.environ[STATE_DIR_ENV] = state_dir
     parent_watch.enable_for_children()  # engine processes end when this process is gone, however it ends
-    factory = functools.partial(build_async_llm, engine_args(args, settings))  # vLLM loads its plugins here
+    spares = SpareKeeper() if settings.spare else None
+    # vLLM loads its plugins here; the spare is spawned as soon as a build has its configuration
+    on_config = spares.on_config if spares is not None else None
+    factory = functools.partial(build_async_llm, engine_args(args, settings), on_config=on_config)
     if missing := missing_hooks():  # the plugins ran in this process too: a hook that found nothing
         for target, why in missing.items():
             logger.critical("vlguard cannot hook vLLM %s: %s", target, why)
@@ -249,7 +252,6 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         sock.close()
         shutil.rmtree(state_dir, ignore_errors=True)
         return EXIT_STARTUP_FAILED
-    spares = SpareKeeper() if settings.spare else None
     supervisor = Supervisor(
         factory, settings, state_dir=state_dir, reap_children=True, spares=spares, forensics=forensics(args, settings)
     )

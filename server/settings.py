@@ -140,8 +140,11 @@ class GuardSettings(BaseSettings):
     restart_backoff: float = Field(default=1.0, ge=0)
     """Seconds before the second restart attempt after a failed one; doubles with each failure."""
 
-    hold_timeout: float = Field(default=120.0, gt=0)
-    """Seconds a request waits for the engine to become ready before it gets 503 + Retry-After."""
+    hold_timeout: float | None = Field(default=None, gt=0)
+    """Seconds a request waits for the engine to become ready before it gets 503 + Retry-After. Unset:
+    measured (docs/guard.md): 120 s, or 1.5x the last rebuild on the path the rebuild in progress takes
+    (through a ready spare engine process; cold, or through a spare still importing: 1.5x the last cold
+    build + 30 s), whichever is longer; the first start waits up to --guard-startup-timeout."""
 
     max_held: int = Field(default=512, ge=0)
     """Requests that may wait for the engine at once; more get 503 + Retry-After at once."""

@@ -358,7 +358,7 @@ class GuardHarness:
 
     async def state(self, *states: Any) -> Any:
         """Wait (at most ``wait_s``) until the supervisor's state is one of ``states``."""
-        return await asyncio.wait_for(self.sup.wait_for_state(*states), self.wait_s)
+        return await asyncio.wait_for(self.sup.states.wait_for(*states), self.wait_s)
 
     async def collect(
         self,

@@ -37,10 +37,14 @@ async def health(supervisor: SupervisorDep) -> JSONResponse:
 async def ready(supervisor: SupervisorDep, saturated: DoorSaturatedDep) -> JSONResponse:
     """Readiness: 200 ``{"ready": true}`` only while the engine is READY and answered a one-token probe
     (or real traffic) recently, and the door admits work (an in-flight slot and body bytes left); 503 +
-    Retry-After otherwise (starting, restarting, failed, saturated)."""
+    Retry-After otherwise (starting, restarting, failed, saturated). ``rebuild``: the path a rebuild would
+    take if the engine died now (``spare``, ``spare_starting``, ``cold``); ``hold_s``: how long a request
+    held now would wait for the engine, seconds (:mod:`server.guard.hold`)."""
     is_ready = supervisor.is_ready() and not saturated
+    body: dict[str, object] = {"ready": is_ready, "engine": supervisor.state.value, "saturated": saturated}
+    body |= {"rebuild": supervisor.builder.rebuild_path().value, "hold_s": round(supervisor.hold_limit(), 1)}
     return JSONResponse(
-        {"ready": is_ready, "engine": supervisor.state.value, "saturated": saturated},
+        body,
         status_code=200 if is_ready else 503,
         headers=None if is_ready else {"Retry-After": str(RETRY_AFTER_S)},
     )

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from server.engine.protocol import EngineSettings, engine_dir
 from server.guard import ipc_cache, output_faults, watchdog
+from server.guard.hold import RebuildPath
 from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine, EngineFactory, ServingRenderer, in_daemon_thread, teardown
-from server.guard.spare import SpareKeeper
+from server.guard.spare import SpareKeeper, publish
 from server.settings import GuardSettings
 from server.vllm_hooks import async_llm
 
@@ -94,6 +95,14 @@ class EngineBuilder:
         self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
         #: True when shutdown had to leave a build behind in its daemon thread (it does not hold the exit).
         self.abandoned_build = False
+        #: The path the latest build took (None: the first start).
+        self.building_path: RebuildPath | None = None
+        if spares is None:
+            publish(RebuildPath.COLD)
+
+    def rebuild_path(self) -> RebuildPath:
+        """The path a rebuild would take now (:meth:`SpareKeeper.path`)."""
+        return self.spares.path() if self.spares is not None else RebuildPath.COLD
 
     def engine_dir(self, generation: int) -> Path:
         """Where engine ``generation``'s engine core writes its records (:mod:`server.engine.protocol`)."""
@@ -137,8 +146,8 @@ class EngineBuilder:
         return built
 
     async def _build(self, rebuild: bool) -> Engine:
-        if self.spares is not None and rebuild:
-            self.spares.arm()  # its engine core runs in the spare, its worker in the spare's
+        if rebuild:  # its engine core runs in the spare, its worker in the spare's (the keeper may be busy)
+            self.building_path = await asyncio.to_thread(self.spares.arm) if self.spares else RebuildPath.COLD
         building = self._building = in_daemon_thread(self.engine_factory)
         try:
             # shield: a cancelled wait (shutdown) leaves the build to shut_down(), which ends it

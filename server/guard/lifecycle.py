@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,8 @@ from server.guard import watchdog
 from server.metrics.registry import mark_process_dead
 from server.vllm_hooks import async_llm
 from server.vllm_hooks.async_llm import ServingRenderer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineFactory", "ServingRenderer", "build_async_llm", "in_daemon_thread", "teardown"]
 
@@ -31,12 +34,23 @@ Engine = Any
 EngineFactory = Callable[[], Engine]
 
 
-def build_async_llm(engine_args: AsyncEngineArgs) -> Engine:
-    """A new vLLM ``AsyncLLM`` from ``engine_args`` (blocks for the whole model load; run it off the loop)."""
+def build_async_llm(engine_args: AsyncEngineArgs, on_config: Callable[[object], None] | None = None) -> Engine:
+    """A new vLLM ``AsyncLLM`` from ``engine_args`` (blocks for the whole model load; run it off the loop).
+
+    Arguments:
+        on_config: called with the ``VllmConfig`` once it is made, before vLLM starts its engine processes
+            (the spare keeper spawns a spare there: :meth:`server.guard.spare.SpareKeeper.replenish`); an
+            exception it raises is logged, not raised.
+    """
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    if on_config is not None:
+        try:
+            on_config(vllm_config)
+        except Exception:
+            logger.exception("on_config failed; building the engine anyway")
     return AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,

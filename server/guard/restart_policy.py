@@ -4,9 +4,13 @@ failed one. The supervisor (:mod:`server.guard.supervisor`) asks; nothing here b
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 
+from server.metrics import definitions as m
 from server.settings import GuardSettings
+
+logger = logging.getLogger("server.guard.supervisor")
 
 
 class RestartBudget:
@@ -47,6 +51,7 @@ class RestartPolicy:
     def __init__(self, settings: GuardSettings, clock: Callable[[], float]) -> None:
         self.budget = RestartBudget(settings.restart_max, settings.restart_window, clock)
         self.backoff_s = settings.restart_backoff
+        m.RESTART_BUDGET.set(settings.restart_max)
 
     def may_attempt(self, counted: bool, failures: int) -> bool:
         """Whether a rebuild attempt may start now; it is then counted when the death that asked for it
@@ -65,3 +70,16 @@ class RestartPolicy:
     def backoff(self, failures: int) -> float:
         """Seconds to wait after the ``failures``-th failed attempt in a row (exponential)."""
         return float(self.backoff_s * 2 ** (failures - 1))
+
+    def failed(self, failures: int) -> None:
+        """A rebuild attempt failed (the ``failures``-th in a row): counted and logged with its traceback
+        (call it from the ``except`` block)."""
+        m.ENGINE_RESTARTS.labels(outcome="failure").inc()
+        logger.exception("engine restart attempt failed (%d)", failures)
+
+    def succeeded(self, took_s: float) -> None:
+        """A rebuild made the engine READY ``took_s`` seconds after its death: counted and timed."""
+        m.ENGINE_RESTARTS.labels(outcome="success").inc()
+        m.RESTART_DURATION.observe(took_s)
+        m.ENGINE_RECOVERIES.labels(kind="rebuild").inc()
+        m.RECOVERY_DURATION.labels(kind="rebuild").observe(took_s)

@@ -9,22 +9,35 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from server.engine.spare import CORE_MODULES, CORE_PROCESS, Spare, arm, disarm, install
+from server.engine.spare import CORE_MODULES, CORE_PROCESS, Spare, arm, disarm, env_differences, install
+from server.guard.hold import RebuildPath
 from server.vllm_hooks import processes
 
 logger = logging.getLogger("vllm.vlguard.spare")
 
 
+def publish(path: RebuildPath) -> None:
+    """Set ``vlguard_engine_rebuild_path{path}`` (one-hot) and ``vlguard_engine_spare_up``."""
+    from server.metrics import definitions as m
+
+    m.SPARE_UP.set(1 if path is RebuildPath.SPARE else 0)
+    for each in RebuildPath:
+        m.REBUILD_PATH.labels(path=each.value).set(1 if each is path else 0)
+
+
 class SpareKeeper:
     """Keeps one engine-core spare (with its worker spare) ready for the next rebuild of the engine.
 
-    The supervisor calls :meth:`replenish` once an engine is READY (the spare is spawned for that
-    engine's configuration), :meth:`check` on every watchdog tick (a dead spare is counted and replaced,
+    Each engine build calls :meth:`on_config` as soon as its configuration is made, before vLLM starts its
+    processes (the spare then imports beside the engine's own start instead of after it; at a rebuild, the
+    next spare beside the rebuild), the supervisor :meth:`replenish` once the engine is READY (the spare is spawned for that engine's configuration if
+    none is alive), :meth:`check` on every watchdog tick (a dead spare is counted and replaced,
     after a back-off that doubles with each death in a row: a spare killed while importing, by a memory
     limit say, must not be respawned every tick), :meth:`arm` before a rebuild and :meth:`after_build`
     after it, and :meth:`close` at shutdown. ``vlguard_engine_spare_up`` is 1 while a spare and its worker
     spare are ready; ``vlguard_engine_spare_events_total{event}`` counts spawned, died, used and refused
-    spares. Spawning blocks (the configuration is pickled to the child): call it off the event loop.
+    spares; ``vlguard_engine_rebuild_path{path}`` is 1 for the path a rebuild would take now (:meth:`path`).
+    Spawning blocks (the configuration is pickled to the child): call it off the event loop.
 
     Arguments:
         modules: what the engine core's spare imports.
@@ -42,14 +55,30 @@ class SpareKeeper:
     ) -> None:
         self.modules = tuple(modules)
         self.backoff_s, self.max_backoff_s, self.clock = backoff_s, max_backoff_s, clock
-        self.spare: Spare | None = None
+        self.spare: Spare | None = None  # the next rebuild's
+        self._armed: Spare | None = None  # the build in progress's (handed over, or given back after it)
         self._config: object | None = None
         self._wanted = False  # replenish() was called and close() was not
         self._closed = False
         self._deaths_in_a_row = 0
         self._not_before = 0.0  # no replacement before this time (back-off)
         self._fork_noted = False
+        self._ready = False  # the spare said it is ready (read by check(), under the lock)
         self._lock = threading.RLock()  # the watchdog's check (a thread) vs a rebuild's arm (the loop)
+
+    def on_config(self, vllm_config: object) -> None:
+        """An engine build has its configuration (:func:`server.guard.lifecycle.build_async_llm`): spawn
+        the spare in a thread of its own, so the build goes on meanwhile. At the first start the spare then
+        imports beside the engine's own start; at a rebuild it replaces the spare that build was armed with
+        (the next death finds one already importing)."""
+
+        def spawn() -> None:
+            try:
+                self.replenish(vllm_config)
+            except Exception:  # the engine serves without a spare; the next READY spawns
+                logger.exception("spare engine process not started")
+
+        threading.Thread(target=spawn, name="vlguard-spare-spawn", daemon=True).start()
 
     def replenish(self, vllm_config: object) -> None:
         """Spawn a spare for an engine configured like ``vllm_config`` unless a live one exists, the
@@ -71,7 +100,8 @@ class SpareKeeper:
                 return
             if self.clock() < self._not_before:
                 return
-            self.spare = Spare(self.modules, worker_spare_for=vllm_config)
+            self.spare, self._ready = Spare(self.modules, worker_spare_for=vllm_config), False
+            self._publish()
         m.SPARE_EVENTS.labels(event="spawned").inc()
         logger.info("spare engine process %s started", self.spare.pid)
 
@@ -89,63 +119,88 @@ class SpareKeeper:
             "spare engine process %s died (exit code %s); replacing it in %.0f s", spare.pid, spare.proc.exitcode, delay
         )
         m.SPARE_EVENTS.labels(event="died").inc()
-        m.SPARE_UP.set(0)
         spare.end()  # its worker spare too, if any is left
         self.spare = None
+        self._publish()
 
     def check(self) -> None:
         """Note a spare that became ready (``vlguard_engine_spare_up`` 1); count a dead one and replace it
         once its back-off has passed."""
-        from server.metrics import definitions as m
-
         with self._lock:
             self._settle_death()
             if self.spare is not None and self.spare.state == "waiting":
-                ready = self.spare.ready()
-                if ready:
+                self._ready = self.spare.ready()
+                if self._ready:
                     self._deaths_in_a_row = 0
-                m.SPARE_UP.set(1 if ready else 0)
+                self._publish()
             elif self._wanted:
                 self.replenish(self._config)
 
-    def arm(self) -> None:
-        """The engine core of the next engine build runs in the spare, if it is alive (it is refused at
-        the hand-over if the environment differs). Never raises: a vLLM that starts its engine core some
-        other way builds without the spare. Does not wait for a check in progress (it may be spawning a
-        spare, which could not be ready for this build anyway)."""
-        if not self._lock.acquire(blocking=False):
-            return
+    def path(self) -> RebuildPath:
+        """The path a rebuild would take now: through the spare if it is ready (as of the last
+        :meth:`check`), through the spare still importing, or cold (no live spare)."""
+        spare = self.spare
+        if spare is None or not spare.alive():
+            return RebuildPath.COLD
+        return RebuildPath.SPARE if self._ready else RebuildPath.SPARE_STARTING
+
+    def _publish(self) -> None:
+        publish(self.path())
+
+    def arm(self) -> RebuildPath:
+        """The engine core of the next engine build runs in the spare if it is alive, ready or still
+        importing (a spare still importing has a head start on a new process); a spare whose environment
+        differs from this process's now is left to the hand-over, which refuses it. Never raises: a vLLM
+        that starts its engine core some other way builds without the spare. Waits at most 5 s for a
+        check in progress (it may be spawning a spare, which is then armed).
+
+        Returns:
+            the path the build takes: :attr:`RebuildPath.COLD` when no spare was armed, or it will be refused.
+        """
+        if not self._lock.acquire(timeout=5.0):
+            logger.warning("spare keeper busy for 5 s: this rebuild spawns its engine processes")
+            return RebuildPath.COLD
         try:
             self._settle_death()
             if self.spare is None or not self.spare.alive():
-                return
+                return RebuildPath.COLD
+            path = self.path()
             install(processes.ENGINE_CORE_STARTER)
             arm(self.spare, CORE_PROCESS)
+            self._armed, self.spare = self.spare, None  # the next spare may be spawned meanwhile
+            self._publish()
+            return RebuildPath.COLD if env_differences(self._armed.env, dict(os.environ)) else path
         except (ImportError, AttributeError):
             logger.warning("this vLLM starts its engine core elsewhere: no spare is used", exc_info=True)
+            return RebuildPath.COLD
         finally:
             self._lock.release()
 
     def after_build(self) -> None:
-        """Settle the armed spare after a build, successful or not: used, refused, or still waiting."""
+        """Settle the armed spare after a build, successful or not: used, refused, or given back (the
+        build failed before it started its engine core) unless a new spare was spawned meanwhile."""
         from server.metrics import definitions as m
 
         disarm(CORE_PROCESS)
         with self._lock:
-            spare = self.spare
-            if spare is None or spare.state == "waiting":
+            armed, self._armed = self._armed, None
+            if armed is None:
                 return
-            self.spare = None
-        m.SPARE_UP.set(0)
-        m.SPARE_EVENTS.labels(event="used" if spare.state == "used" else "refused").inc()
+            if armed.state == "waiting":
+                if self.spare is None and armed.alive():
+                    self.spare, self._ready = armed, False  # the next check() reads its readiness
+                    self._publish()
+                else:
+                    armed.end()
+                return
+        m.SPARE_EVENTS.labels(event="used" if armed.state == "used" else "refused").inc()
 
     def close(self) -> None:
         """End the spare (shutdown); no spare is spawned afterwards. Idempotent."""
-        from server.metrics import definitions as m
-
         with self._lock:
             self._closed, self._wanted = True, False
-            spare, self.spare = self.spare, None
-        if spare is not None:
-            spare.end()
-        m.SPARE_UP.set(0)
+            spares, self.spare, self._armed = (self.spare, self._armed), None, None
+            self._publish()
+        for spare in spares:
+            if spare is not None:
+                spare.end()  # an armed one only if it was not handed over

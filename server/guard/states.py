@@ -8,7 +8,9 @@ supervisor's (:mod:`server.guard.supervisor`); this module only holds the state 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+from collections.abc import Callable
 
 from server.guard.errors import EngineUnavailableError
 from server.metrics import definitions as m
@@ -63,13 +65,14 @@ class EngineStates:
         """Wait until the state is one of :data:`SETTLED` (no timeout: wrap it in one)."""
         await self._settled.wait()
 
-    async def hold(self, timeout_s: float, max_held: int) -> None:
-        """Hold a request until the state settles (:data:`SETTLED`), at most ``timeout_s`` seconds and
-        ``max_held`` requests at once (``vlguard_requests_held``).
+    async def hold(self, limit_s: Callable[[], float], max_held: int) -> None:
+        """Hold a request until the state settles (:data:`SETTLED`), at most ``limit_s()`` seconds from
+        now and ``max_held`` requests at once (``vlguard_requests_held``). The limit is read again at every
+        state change and when it runs out: a rebuild found slower than expected holds the request longer.
 
         Raises:
             EngineUnavailableError: FAILED or STOPPED now, ``max_held`` requests already held, or not
-                settled within ``timeout_s`` seconds.
+                settled within the limit.
         """
         if self.current in (EngineState.FAILED, EngineState.STOPPED):
             raise EngineUnavailableError(f"engine is {self.current.value}", reason="engine_failed")
@@ -77,10 +80,15 @@ class EngineStates:
             raise EngineUnavailableError("too many requests waiting for the engine", reason="too_many_held")
         self.held += 1
         m.REQUESTS_HELD.set(self.held)
+        loop = asyncio.get_running_loop()
+        since = loop.time()
         try:
-            await asyncio.wait_for(self._settled.wait(), timeout_s)
-        except TimeoutError:
-            raise EngineUnavailableError(f"engine not ready within {timeout_s:g} s ({self.current.value})") from None
+            while not self._settled.is_set():
+                limit = limit_s()
+                if (remaining := since + limit - loop.time()) <= 0:
+                    raise EngineUnavailableError(f"engine not ready within {limit:g} s ({self.current.value})")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), remaining)
         finally:
             self.held -= 1
             m.REQUESTS_HELD.set(self.held)

@@ -26,6 +26,7 @@ from server.guard.accounting import FaultAccounting, charged_requests, describe_
 from server.guard.builder import BuiltEngine, EngineBuilder
 from server.guard.errors import EngineUnavailableError
 from server.guard.forensics import Evidence, Forensics
+from server.guard.hold import HoldPolicy, RebuildPath
 from server.guard.inflight import InflightLedger
 from server.guard.lifecycle import Engine, EngineFactory, build_async_llm
 from server.guard.port import Attempt
@@ -87,8 +88,9 @@ class Supervisor:
         self.states = EngineStates()
         self.builder = EngineBuilder(engine_factory, settings, self.state_dir, spares, reap_children)
         self.restarts = RestartPolicy(settings, clock)
+        self.holds = HoldPolicy(settings.hold_timeout, settings.startup_timeout)
         #: Requests inside an engine now, and the probation slot for suspects.
-        self.inflight = InflightLedger(settings.hold_timeout, settings.probation_drain_timeout)
+        self.inflight = InflightLedger(self.holds.base_s, settings.probation_drain_timeout)
         #: strikes, client faults, suspects and soft-recovery cuts (:mod:`server.guard.accounting`)
         self.faults = FaultAccounting(settings, self.inflight, clock, forensics)
         self.forensics = forensics
@@ -102,16 +104,11 @@ class Supervisor:
         self._restart_task: asyncio.Task[None] | None = None
         self._stop_requested = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        m.RESTART_BUDGET.set(settings.restart_max)
 
     # -- state ---------------------------------------------------------------------------------------
     @property
     def state(self) -> EngineState:
         return self.states.current
-
-    async def wait_for_state(self, *states: EngineState) -> EngineState:
-        """Wait until the state is one of ``states`` (no timeout: wrap it in one) and return it."""
-        return await self.states.wait_for(*states)
 
     @property
     def latest_engine(self) -> Engine:
@@ -139,6 +136,11 @@ class Supervisor:
             return False
         return self.watch.answered_within(3 * self.settings.ready_probe_interval)
 
+    def hold_limit(self) -> float:
+        """Seconds a request held now (or, while READY, at a death now) waits at most (:mod:`~server.guard.hold`)."""
+        path = self.builder.rebuild_path() if self.state is EngineState.READY else self.builder.building_path
+        return self.holds.limit(path if self.generation else None)
+
     def healthy(self) -> bool:
         """Alive and able to recover (for liveness and the systemd watchdog)."""
         return self.state is not EngineState.FAILED
@@ -148,10 +150,10 @@ class Supervisor:
 
         Raises:
             EngineUnavailableError: FAILED or stopped, too many requests already held, or not READY
-                within ``hold_timeout`` seconds.
+                within :meth:`hold_limit` seconds.
         """
         while (engine := self.current_engine()) is None:
-            await self.states.hold(self.settings.hold_timeout, self.settings.max_held)
+            await self.states.hold(self.hold_limit, self.settings.max_held)
         return engine, self.generation
 
     # -- the engine client's port (server.guard.port) -------------------------------------------------
@@ -258,7 +260,8 @@ class Supervisor:
             raise
         finally:
             stop.cancel()
-        logger.info("engine ready in %.1f s (generation %d)", self.clock() - started, self.generation)
+        self.holds.measured(RebuildPath.COLD, took := self.clock() - started)
+        logger.info("engine ready in %.1f s (generation %d)", took, self.generation)
         self._tasks.append(asyncio.create_task(self.watch.run(), name="vlguard-watchdog"))
 
     def report_death(self, generation: int, cause: DeathCause | None = None) -> None:
@@ -275,6 +278,7 @@ class Supervisor:
         if cause is None or (record is not None and cause is DeathCause.PROCESS_EXIT):
             cause = watchdog.classify(record, built.pids)  # an engine core that raised, then exited
         self.states.set(EngineState.DEAD)
+        self.builder.building_path = self.builder.rebuild_path()  # until the rebuild arms (or not) its spare
         m.ENGINE_DEATHS.labels(cause=cause.value).inc()
         inflight = self.inflight.requests(generation)
         charged = charged_requests(inflight, record)
@@ -302,16 +306,13 @@ class Supervisor:
                 await self._bring_up()
             except Exception:
                 failures += 1
-                m.ENGINE_RESTARTS.labels(outcome="failure").inc()
-                logger.exception("engine restart attempt failed (%d)", failures)
+                self.restarts.failed(failures)
                 await self._sleep(self.restarts.backoff(failures))
                 continue
             took = self.clock() - died_at
-            m.ENGINE_RESTARTS.labels(outcome="success").inc()
-            m.RESTART_DURATION.observe(took)
-            m.ENGINE_RECOVERIES.labels(kind="rebuild").inc()
-            m.RECOVERY_DURATION.labels(kind="rebuild").observe(took)
-            logger.info("engine restarted in %.1f s (generation %d)", took, self.generation)
+            self.holds.measured(path := self.builder.building_path or RebuildPath.COLD, took)
+            self.restarts.succeeded(took)
+            logger.info("engine restarted in %.1f s (generation %d, %s)", took, self.generation, path.value)
             return
         spent = self.restarts.budget
         logger.critical("restart budget spent (%d in %.0f s): giving up, exiting non-zero", len(spent), spent.window_s)

@@ -170,6 +170,13 @@ SPARE_UP = Gauge(
     "1 while a spare engine-core process (imported, waiting for a rebuild) is alive, else 0.",
     multiprocess_mode="mostrecent",
 )
+REBUILD_PATH = Gauge(
+    "vlguard_engine_rebuild_path",
+    "1 for the path a rebuild would take now: spare (a spare engine process imported and waiting), "
+    "spare_starting (a spare still importing: used, its imports waited for), cold (processes started anew).",
+    ["path"],
+    multiprocess_mode="mostrecent",
+)
 SPARE_EVENTS = Counter(
     "vlguard_engine_spare_events",
     "Spare engine processes by event: spawned, died (replaced), used by a rebuild, refused (a rebuild spawned).",

@@ -36,7 +36,7 @@ async def test_health_ready_version_metrics(api: Api) -> None:
 async def test_restarting_engine_holds_requests_then_serves_them(api: Api) -> None:
     api.factory.gate.clear()  # the next engine "loads" until the test releases it
     api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.RESTARTING), WAIT_S)
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.RESTARTING), WAIT_S)
     ready = await api.client.get("/ready")
     assert ready.status_code == 503 and ready.headers["Retry-After"].isdigit()
     health = await api.client.get("/health")
@@ -57,20 +57,20 @@ async def test_hold_timeout_is_503_with_retry_after_for_streams_too(make_api: Ca
     assert isinstance(api, Api)
     api.factory.gate.clear()
     api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.RESTARTING), WAIT_S)
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.RESTARTING), WAIT_S)
     for stream in (False, True):
         resp = await api.client.post(CHAT, json=chat_body(api.model, stream=stream))
         assert resp.status_code == 503 and resp.headers["Retry-After"].isdigit(), resp.text
         assert resp.json()["error"]["code"] == 503
     api.factory.gate.set()
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.READY), WAIT_S)
 
 
 async def test_failed_supervisor_fails_liveness(make_api: Callable[..., object]) -> None:
     api = await make_api("--guard-restart-max", "0")  # type: ignore[misc]
     assert isinstance(api, Api)
     api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.FAILED), WAIT_S)
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.FAILED), WAIT_S)
     health = await api.client.get("/health")
     assert health.status_code == 503 and health.json() == {"status": "failed", "engine": "failed"}
     resp = await api.client.post(CHAT, json=chat_body(api.model))
@@ -101,7 +101,7 @@ async def test_quarantined_request_is_400_in_the_envelope(make_api: Callable[...
     resp = await api.client.post(CHAT, json=body)
     assert resp.status_code == 400, resp.text
     assert "quarantined" in resp.json()["error"]["message"]
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)  # the fault's rebuild
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.READY), WAIT_S)  # the fault's rebuild
     again = await api.client.post(CHAT, json=body)
     assert again.status_code == 400 and api.supervisor.generation == 2  # refused without another death
     assert (await api.client.post(CHAT, json=chat_body(api.model))).status_code == 200
@@ -115,7 +115,7 @@ async def test_stream_that_cannot_be_resumed_ends_with_an_error_event(api: Api) 
     assert resp.status_code == 200
     events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
     assert "error" in events[-1] and "cannot be resumed" in str(events[-1]["error"]), events[-1]
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.READY), WAIT_S)
     assert api.supervisor.generation == 2
     api.engine.die_after(3)
     resp = await api.client.post(CHAT, json=chat_body(api.model, stream=True, max_tokens=6))
@@ -177,7 +177,7 @@ async def test_operator_lists_and_clears_the_quarantine(make_api: Callable[..., 
     assert isinstance(api, Api)
     body = chat_body(api.model, text="Report Xylophonequartzmarker now.")
     assert (await api.client.post(CHAT, json=body, headers=key)).status_code == 400
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)  # the fault's rebuild
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.READY), WAIT_S)  # the fault's rebuild
     assert (await api.client.get("/admin/quarantine")).status_code == 401
     listed = (await api.client.get("/admin/quarantine", headers=key)).json()
     refused = [e for e in listed["entries"] if e["refused"]]
@@ -188,7 +188,7 @@ async def test_operator_lists_and_clears_the_quarantine(make_api: Callable[..., 
     assert "vlguard_quarantine_fingerprints 0.0" in (await api.client.get("/metrics")).text
     api.factory.poison = ()  # the fault is fixed (say, a driver upgrade): the request is served again
     api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)  # READY -> DEAD at once
-    await asyncio.wait_for(api.supervisor.wait_for_state(EngineState.READY), WAIT_S)
+    await asyncio.wait_for(api.supervisor.states.wait_for(EngineState.READY), WAIT_S)
     served = await api.client.post(CHAT, json=body, headers=key)
     assert served.status_code == 200, served.text
     assert (await api.client.delete("/admin/quarantine", headers=key)).json()["cleared"] >= 0

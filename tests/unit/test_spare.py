@@ -17,6 +17,7 @@ import pytest
 
 from server.engine import spare as sp
 from server.engine.protocol import STATE_DIR_ENV
+from server.guard.hold import RebuildPath
 from server.guard.spare import SpareKeeper
 from server.metrics import definitions as m
 from tests.helpers import gone, poll
@@ -127,19 +128,27 @@ def test_the_keeper_replaces_a_dead_spare_after_a_back_off_counts_it_and_ends_it
     now = [0.0]
     keeper = SpareKeeper(modules=("json",), backoff_s=10, clock=lambda: now[0])
     died = m.SPARE_EVENTS.labels(event="died")._value.get()
+
+    def path() -> str:  # the path, as /ready and its one-hot gauge say it
+        (hot,) = [p for p in RebuildPath if m.REBUILD_PATH.labels(path=p.value)._value.get() == 1]
+        assert keeper.path() is hot
+        return hot.value
+
     try:
+        assert keeper.path() is RebuildPath.COLD
         keeper.replenish(None)  # no engine configuration: no worker spare
         first = keeper.spare
         assert first is not None
+        assert path() == "spare_starting"  # a rebuild now would wait for the rest of its imports
         poll(lambda: first.ready(0.1), 60, "the spare to be ready")
         keeper.check()
-        assert m.SPARE_UP._value.get() == 1
+        assert m.SPARE_UP._value.get() == 1 and path() == "spare"
         victim = psutil.Process(first.pid)
         victim.kill()
         poll(lambda: gone(victim), 10, "the killed spare to exit")
         keeper.check()
         assert m.SPARE_EVENTS.labels(event="died")._value.get() == died + 1
-        assert keeper.spare is None and m.SPARE_UP._value.get() == 0
+        assert keeper.spare is None and m.SPARE_UP._value.get() == 0 and path() == "cold"
         now[0] = 9.9
         keeper.check()
         assert keeper.spare is None  # inside the back-off: a spare dying while it imports is not respawned each tick
