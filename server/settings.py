@@ -104,6 +104,13 @@ class GuardSettings(BaseSettings):
     """Seconds the engine may take to load and compile (at start and at each restart) before that
     attempt is declared failed."""
 
+    rebuild_timeout: float | None = Field(default=None, gt=0)
+    """Seconds one rebuild may take before it is abandoned (the processes it started are killed; the spare
+    kept for the next rebuild is not) and tried again, within the restart budget. Unset: 3x the last cold
+    build (the first start until a cold rebuild is measured), at least 300 s, at most
+    --guard-startup-timeout. A rebuild stuck on a stopped or hung process then costs minutes, not the
+    start-up timeout (docs/guard.md)."""
+
     soft_recovery: bool = True
     """Absorb an exception raised inside one engine step without a rebuild (on/off): the engine's caches
     are reset and every request in it is carried over onto the same engine (docs/guard.md). Device

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from server.engine.protocol import EngineSettings, engine_dir
 from server.guard import ipc_cache, output_faults, watchdog
-from server.guard.hold import RebuildPath
+from server.guard.hold import HoldPolicy, RebuildPath
 from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine, EngineFactory, ServingRenderer, in_daemon_thread, teardown
 from server.guard.spare import SpareKeeper, publish
@@ -78,7 +78,9 @@ class EngineBuilder:
         state_dir: below it, each engine's directory for its engine core's records.
         spares: keeps a spare engine process for rebuilds (:mod:`server.guard.spare`); None: every build
             spawns its processes.
-        reap_children: at shutdown, end every process below this one (see :meth:`shut_down`).
+        reap_children: at shutdown, end every process below this one (see :meth:`shut_down`); and when a
+            rebuild takes longer than its bound, every process below this one but the spare's.
+        limits: bounds each build (:meth:`HoldPolicy.build_limit`); None: ``startup_timeout`` each.
     """
 
     def __init__(
@@ -88,9 +90,13 @@ class EngineBuilder:
         state_dir: str,
         spares: SpareKeeper | None = None,
         reap_children: bool = False,
+        limits: HoldPolicy | None = None,
     ) -> None:
         self.engine_factory, self.settings, self.state_dir = engine_factory, settings, state_dir
         self.spares, self.reap_children = spares, reap_children
+        self.limits = limits or HoldPolicy(
+            settings.hold_timeout, settings.startup_timeout, rebuild_s=settings.rebuild_timeout
+        )
         self.renderer = ServingRenderer()
         self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
         #: True when shutdown had to leave a build behind in its daemon thread (it does not hold the exit).
@@ -146,12 +152,21 @@ class EngineBuilder:
         return built
 
     async def _build(self, rebuild: bool) -> Engine:
+        spares = self.spares.pids if self.spares is not None else set  # the spare of the next rebuild
+        # not this build's: taken before the spare is armed (then it is this build's engine core)
+        others = await asyncio.to_thread(lambda: watchdog.descendant_pids() - spares())
         if rebuild:  # its engine core runs in the spare, its worker in the spare's (the keeper may be busy)
             self.building_path = await asyncio.to_thread(self.spares.arm) if self.spares else RebuildPath.COLD
         building = self._building = in_daemon_thread(self.engine_factory)
+        limit = self.limits.build_limit(rebuild)
         try:
             # shield: a cancelled wait (shutdown) leaves the build to shut_down(), which ends it
-            return await asyncio.wait_for(asyncio.shield(building), self.settings.startup_timeout)
+            return await asyncio.wait_for(asyncio.shield(building), limit)
+        except TimeoutError:
+            if rebuild:  # stuck (a stopped or hung process): end the processes it started (its spare's too)
+                logger.error("engine rebuild not done within %.0f s: abandoning it", limit)
+                await self._end_build(self.settings.shutdown_timeout, others | spares())
+            raise
         finally:
             if building.done():
                 self._building = None
@@ -201,9 +216,10 @@ class EngineBuilder:
         if self.reap_children:
             await asyncio.to_thread(watchdog.end_descendants, bound)
 
-    async def _end_build(self, bound_s: float) -> None:
-        """End an engine build still running in its thread: kill what it spawned (with ``reap_children``)
-        until it gives up, then shut down whatever it built. Gives up after ``bound_s`` seconds."""
+    async def _end_build(self, bound_s: float, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """End an engine build still running in its thread: kill what it spawned (with ``reap_children``;
+        the processes in ``keep`` excepted) until it gives up, then shut down whatever it built. Gives up
+        after ``bound_s`` seconds."""
         building, self._building = self._building, None
         if building is None:
             return
@@ -211,7 +227,7 @@ class EngineBuilder:
         deadline = loop.time() + bound_s
         while not building.done() and loop.time() < deadline:
             if self.reap_children:
-                await asyncio.to_thread(watchdog.end_descendants, 0.0)  # its handshake with the engine then fails
+                await asyncio.to_thread(watchdog.end_descendants, 0.0, keep)  # its handshake with the engine then fails
             await asyncio.wait({building}, timeout=0.5)
         if not building.done():
             logger.error("an engine build did not end within %.0f s of shutdown; leaving it", bound_s)

@@ -6,12 +6,16 @@ spare engine process that has imported (seconds), through a spare still importin
 but the rest of its imports is on the rebuild's path), or cold (new processes, every import: as long as a
 first start, minutes on a GPU). A fixed hold timeout is either too short for a cold rebuild (every held
 request fails just before the engine comes back) or far too long for a fast one. :class:`HoldPolicy`
-measures each build and holds a request for as long as the path in progress took last time, with margin.
+measures each build and holds a request for as long as the path in progress took last time, with margin;
+and it bounds a rebuild by the same measure: a rebuild stuck on a stopped or hung process is abandoned
+after a few times the last cold build instead of the start-up timeout (half an hour by default).
 """
 
 from __future__ import annotations
 
 import enum
+
+from server.settings import GuardSettings
 
 
 class RebuildPath(enum.StrEnum):
@@ -35,6 +39,10 @@ class HoldPolicy:
       is measured (a spare still importing is never slower than cold: it has a head start);
     - never longer than ``startup_timeout`` (a build that takes longer fails anyway).
 
+    :meth:`build_limit` bounds one build: the first start by ``startup_timeout``, a rebuild by
+    ``rebuild_s`` (``--guard-rebuild-timeout``) or else 3x the last cold build, at least ``rebuild_floor_s``,
+    at most ``startup_timeout``.
+
     Arguments:
         operator_s: ``--guard-hold-timeout`` in seconds, or None (measured, as above).
         startup_timeout_s: ``--guard-startup-timeout``: the bound of one build, in seconds.
@@ -49,10 +57,18 @@ class HoldPolicy:
         floor_s: float = 120.0,
         margin: float = 1.5,
         slack_s: float = 30.0,
+        rebuild_s: float | None = None,
+        rebuild_floor_s: float = 300.0,
     ) -> None:
         self.operator_s, self.startup_timeout_s = operator_s, startup_timeout_s
         self.floor_s, self.margin, self.slack_s = floor_s, margin, slack_s
+        self.rebuild_s, self.rebuild_floor_s = rebuild_s, rebuild_floor_s
         self._last: dict[RebuildPath, float] = {}  # seconds the last build on each path took
+
+    @classmethod
+    def from_settings(cls, settings: GuardSettings) -> HoldPolicy:
+        """The policy of ``--guard-hold-timeout``, ``--guard-startup-timeout`` and ``--guard-rebuild-timeout``."""
+        return cls(settings.hold_timeout, settings.startup_timeout, rebuild_s=settings.rebuild_timeout)
 
     @property
     def base_s(self) -> float:
@@ -86,6 +102,17 @@ class HoldPolicy:
         else:
             wanted = self.startup_timeout_s  # a cold rebuild before any build was measured
         return min(self.startup_timeout_s, max(self.floor_s, wanted))
+
+    def build_limit(self, rebuild: bool) -> float:
+        """Seconds one build may take: the first start ``startup_timeout``; a rebuild as above."""
+        if not rebuild:
+            return self.startup_timeout_s
+        if self.rebuild_s is not None:
+            return self.rebuild_s
+        cold = self._last.get(RebuildPath.COLD)
+        if cold is None:
+            return self.startup_timeout_s
+        return min(self.startup_timeout_s, max(self.rebuild_floor_s, 3 * cold))
 
 
 __all__ = ["HoldPolicy", "RebuildPath"]

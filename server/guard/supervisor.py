@@ -86,9 +86,9 @@ class Supervisor:
         self.state_dir = state_dir or new_state_dir()
         self.generation = 0  # increments with every engine built
         self.states = EngineStates()
-        self.builder = EngineBuilder(engine_factory, settings, self.state_dir, spares, reap_children)
+        self.holds = HoldPolicy.from_settings(settings)
+        self.builder = EngineBuilder(engine_factory, settings, self.state_dir, spares, reap_children, self.holds)
         self.restarts = RestartPolicy(settings, clock)
-        self.holds = HoldPolicy(settings.hold_timeout, settings.startup_timeout)
         #: Requests inside an engine now, and the probation slot for suspects.
         self.inflight = InflightLedger(self.holds.base_s, settings.probation_drain_timeout)
         #: strikes, client faults, suspects and soft-recovery cuts (:mod:`server.guard.accounting`)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import psutil
@@ -73,8 +73,17 @@ def kill_tree(pids: list[int], known: Sequence[psutil.Process] = ()) -> list[int
     return [p.pid for p in procs]
 
 
-def end_descendants(grace_s: float) -> list[int]:
-    """End every process below this one: SIGTERM, up to ``grace_s`` seconds to exit, then SIGKILL.
+def descendant_pids(pid: int | None = None) -> set[int]:
+    """The PIDs of every process below ``pid`` (default: this process); none if it is gone."""
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def end_descendants(grace_s: float, keep: Collection[int] = ()) -> list[int]:
+    """End every process below this one but those in ``keep`` and theirs: SIGTERM, up to ``grace_s``
+    seconds to exit, then SIGKILL.
 
     multiprocessing's resource tracker is left alone: it ignores SIGTERM by design, cleans up leaked
     shared memory and semaphores once the last holder of its pipe is gone, and then exits by itself.
@@ -85,7 +94,8 @@ def end_descendants(grace_s: float) -> list[int]:
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
-    procs = [p for p in psutil.Process().children(recursive=True) if p.pid != tracker]
+    kept = set(keep).union(*(descendant_pids(pid) for pid in keep))
+    procs = [p for p in psutil.Process().children(recursive=True) if p.pid != tracker and p.pid not in kept]
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()

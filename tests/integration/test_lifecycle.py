@@ -63,7 +63,8 @@ def fresh_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """A server with spares, as shipped, READY a moment ago: the module's first test runs seconds after its
     first /ready (the window #49 is about); the SIGKILL test then ends it. One start for both."""
     sessions: list[int] = []
-    srv = _start(sessions, tiny_model, tmp_path_factory.mktemp("fresh") / "server.log", *SPARE)
+    restarts = ("--guard-restart-max", "20")  # VLGUARD_TEST_KILL_PAIRS=5 kills it 10 times
+    srv = _start(sessions, tiny_model, tmp_path_factory.mktemp("fresh") / "server.log", *SPARE, *restarts)
     try:
         srv.wait_ready()
         yield srv
@@ -78,9 +79,9 @@ async def test_two_deaths_seconds_after_ready_lose_nothing(fresh_server: ServerP
     """#49: the engine core SIGKILLed 2 s after the server's first /ready, under 12 clients sending two-pass
     requests (half streaming, greedy: resumable), then again 2 s after the rebuilt engine's /ready: /ready
     comes back each time, every request 200, every stream whole (no error event), nothing held times out,
-    and neither rebuild starts cold (the first-start spare imported beside the engine's start; the second
-    uses the spare spawned during the first rebuild, still importing). ``VLGUARD_TEST_KILL_PAIRS`` repeats
-    the pair (CI runs one; 5 to hunt the rare hang of the issue)."""
+    and neither rebuild starts cold: each uses the spare still importing (on 2 CPUs it is spawned once the
+    engine is READY; from 4, beside the engine's start, then ready at the first /ready). ``VLGUARD_TEST_KILL_PAIRS``
+    repeats the pair (CI runs one; 5 to hunt the rare hang of the issue)."""
     srv, pairs = fresh_server, int(os.environ.get("VLGUARD_TEST_KILL_PAIRS", "1"))
     image, log_at, carried = photo_uri("chelsea.png"), srv.log_path.stat().st_size, carried_over(srv)
     stop, results = asyncio.Event(), []
@@ -166,20 +167,30 @@ def test_sigkill_while_ready_with_requests_in_flight(fresh_server: ServerProcess
     assert_session_ends(srv.proc.pid)
 
 
-def test_sigkill_during_a_rebuild(sessions: list[int], tiny_model: Path, tmp_path: Path) -> None:
-    """The engine core is killed; while the replacement is being spawned, vlguard is SIGKILLed. The new
-    engine's processes (spawned after the signal, or before it) end with it. (SIGTERM during a rebuild:
+def test_a_stuck_rebuild_is_abandoned_and_sigkill_during_the_next_leaves_nothing(
+    sessions: list[int], tiny_model: Path, tmp_path: Path
+) -> None:
+    """#49: the engine core is killed; the replacement (the spare, handed over) is stopped (SIGSTOP) before it
+    is ready: the rebuild is abandoned at ``--guard-rebuild-timeout`` (the stopped process killed, the spare
+    spawned beside the rebuild kept) and tried again; while that next attempt runs, vlguard is SIGKILLed,
+    and every process of the server ends with it, the stopped one included. (SIGTERM during a rebuild:
     test_guard.py's last test.)"""
-    sig = signal.SIGKILL
-    srv = _start(sessions, tiny_model, tmp_path / "server.log", *SPARE)  # the new engine runs in the spare
+    srv = _start(sessions, tiny_model, tmp_path / "server.log", *SPARE, "--guard-rebuild-timeout", "20")
     srv.wait_ready()
     old = engine_core(srv)
+
+    def new_core(*not_these: int) -> list[psutil.Process]:
+        return [p for p in srv.children() if "EngineCore" in process_name(p) and p.pid not in not_these]
+
     old.kill()
-    poll(lambda: [p for p in srv.children() if "EngineCore" in process_name(p) and p.pid != old.pid], 120,
-         "the replacement engine core to be spawned")  # fmt: skip
+    (stuck,) = poll(lambda: new_core(old.pid), 120, "the replacement engine core to be spawned")
+    stuck.send_signal(signal.SIGSTOP)
+    poll(lambda: "abandoning it" in srv.log_path.read_text(), 60, "the stuck rebuild abandoned")
+    poll(lambda: new_core(old.pid, stuck.pid), 180, "the next attempt's engine core")
+    assert not stuck.is_running() or stuck.status() == psutil.STATUS_ZOMBIE  # killed, stopped as it was
     assert srv.proc is not None
-    srv.proc.send_signal(sig)
-    assert srv.proc.wait(90) == -sig, srv.log_tail()
+    srv.proc.send_signal(signal.SIGKILL)
+    assert srv.proc.wait(90) == -signal.SIGKILL, srv.log_tail()
     assert_session_ends(srv.proc.pid)
 
 

@@ -41,7 +41,7 @@ def test_an_operators_bound_is_the_bound_whatever_was_measured() -> None:
 
 async def test_the_supervisor_measures_each_build_with_its_clock() -> None:
     factory = FakeEngineFactory()
-    g = GuardHarness(factory, hold_timeout=None)
+    g = GuardHarness(factory, hold_timeout=None, shutdown_timeout=0.5)
     factory.gate.clear()
     start = asyncio.create_task(g.sup.start())
     await asyncio.to_thread(factory.building.wait, WAIT_S)
@@ -85,3 +85,38 @@ async def test_a_held_request_waits_while_its_limit_grows_and_is_refused_once_it
     with pytest.raises(EngineUnavailableError, match=r"not ready within 0.05 s \(restarting\)"):
         await states.hold(lambda: 0.05, max_held=4)
     assert states.held == 0
+
+
+def test_a_rebuild_is_bounded_by_the_last_cold_build_and_the_first_start_by_the_startup_timeout() -> None:
+    policy = HoldPolicy(None, startup_timeout_s=1800)
+    assert policy.build_limit(rebuild=False) == policy.build_limit(rebuild=True) == 1800  # nothing measured
+    policy.measured(RebuildPath.COLD, 60.0)
+    assert policy.build_limit(rebuild=True) == 300  # the floor
+    policy.measured(RebuildPath.COLD, 200.0)
+    assert policy.build_limit(rebuild=True) == 600 and policy.build_limit(rebuild=False) == 1800
+    policy.measured(RebuildPath.COLD, 1000.0)
+    assert policy.build_limit(rebuild=True) == 1800
+    assert HoldPolicy(None, 1800, rebuild_s=20).build_limit(rebuild=True) == 20  # --guard-rebuild-timeout
+
+
+async def test_a_stuck_rebuild_is_abandoned_at_its_bound_and_tried_again() -> None:
+    factory = FakeEngineFactory()
+    g = GuardHarness(factory, rebuild_timeout=0.2, shutdown_timeout=0.5)
+    backed_off = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        g.slept.append(seconds)
+        backed_off.set()
+
+    g.sup._sleep = sleep
+    await g.sup.start()
+    try:
+        factory.gate.clear()  # the rebuild never finishes: a stopped or hung engine process
+        g.sup.report_death(g.sup.generation, DeathCause.PROCESS_EXIT)
+        await g.state(EngineState.RESTARTING)
+        await asyncio.wait_for(backed_off.wait(), WAIT_S)  # the attempt failed at its bound; the restart backs off
+        factory.gate.set()
+        await g.state(EngineState.READY)
+        assert g.sup.generation == 2 and g.slept == [1.0] and g.failed_calls == 0
+    finally:
+        await g.sup.shutdown()
