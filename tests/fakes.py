@@ -63,6 +63,15 @@ def _error_finish(request_id: str, ids: list[int]) -> Any:
                          outputs=[done], finished=True)  # fmt: skip
 
 
+def _beyond_msgpack(value: Any) -> bool:
+    """Whether ``value`` holds an integer msgpack cannot encode (outside -2**63 .. 2**64 - 1)."""
+    if isinstance(value, dict):
+        return any(_beyond_msgpack(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_beyond_msgpack(v) for v in value)
+    return isinstance(value, int) and not -(2**63) <= value < 2**64
+
+
 class FakeEngine:
     """One engine life. Build it through :class:`FakeEngineFactory` (or directly in a running loop).
 
@@ -146,6 +155,11 @@ class FakeEngine:
             EngineDeadError: the engine died before or while serving this request.
         """
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else [len(str(prompt))]
+        if _beyond_msgpack(getattr(sampling_params, "extra_args", None)):
+            # What AsyncLLM raises when the engine-core client cannot serialise the request (msgspec).
+            from vllm.v1.engine.exceptions import EngineGenerateError
+
+            raise EngineGenerateError() from OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
         self.inputs[request_id] = prompt
         self.sampling[request_id] = sampling_params
         if self.receiver and not self._receive(prompt):

@@ -117,10 +117,37 @@ async def _on_engine_dead(_: Request, exc: Exception) -> JSONResponse:
     return unavailable_response(exc)
 
 
+def _raised_parsing_the_body(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while FastAPI turned the request body into the route's request model
+    (its frames pass through FastAPI's ``request_body_to_args``): a validator of vLLM's request models
+    that fails on the client's data with something other than a validation error (a ``KeyError`` on a tool
+    without ``function``) is still the client's doing."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "request_body_to_args" and "fastapi" in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _client_message(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return f"missing field {exc.args[0]!r}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     # vLLM's own classification: VLLMValidationError/ValueError/TypeError -> 400 (bad input that the
-    # serving layer let through, e.g. max_tokens < 1), VLLMNotFoundError -> 404, others -> 500.
+    # serving layer let through, e.g. max_tokens < 1), VLLMNotFoundError -> 404, others -> 500. Before it:
+    # anything raised while the body was parsed into vLLM's request model is the client's (400), and so is
+    # NotImplementedError (vLLM's "Unknown part type: file", 501: the request asks what this server does not do).
     from server.vllm_hooks.locations import vllm_symbol
+
+    if _raised_parsing_the_body(exc):
+        return error_response(HTTPStatus.BAD_REQUEST, f"Invalid request: {_client_message(exc)}")
+    if isinstance(exc, NotImplementedError):
+        return error_response(HTTPStatus.BAD_REQUEST, f"Not supported by this server: {exc}")
 
     err = vllm_symbol("create_error_response")(exc)
     if err.error.code >= 500:
@@ -157,6 +184,8 @@ def install_error_handlers(app: FastAPI) -> None:
     | vLLM ``EngineDeadError`` | 503 + ``Retry-After`` |
     | ``ValueError``, ``TypeError``, vLLM's client errors (``VLLMValidationError``, ``VLLMNotFoundError``) | 400 / 404 |
     | vLLM's failed prompt replacement (``AssertionError``: the prompt lost a media placeholder) | 400 |
+    | anything raised while the body is parsed into vLLM's request model (a validator's ``KeyError``) | 400 |
+    | ``NotImplementedError`` (vLLM: an unknown content part type, e.g. ``file``) | 400 (vLLM: 501) |
     | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
 
     Client errors get handlers of their own rather than only the catch-all: Starlette answers a
@@ -170,7 +199,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(GuardError, _on_guard)
     app.add_exception_handler(EngineDeadError, _on_engine_dead)
-    client_errors: list[type[Exception]] = [ValueError, TypeError]
+    # KeyError ... NotImplementedError: a client's when raised parsing the body (above), else a 500 logged
+    client_errors: list[type[Exception]] = [ValueError, TypeError, KeyError, IndexError, AttributeError]
+    client_errors += [OverflowError, NotImplementedError]
     for name in ("VLLMClientError", "VLLMValidationError", "VLLMNotFoundError"):  # 0.32 has the base class
         if isinstance(found := getattr(vllm_errors, name, None), type):
             client_errors.append(found)

@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from server.guard.clients import current_client
-from server.guard.errors import EngineUnavailableError, NotResumableError, QuarantinedRequestError
+from server.guard.errors import (
+    EngineUnavailableError,
+    NotResumableError,
+    QuarantinedRequestError,
+    UnsendableRequestError,
+)
 from server.guard.forensics import Evidence, current_request
 from server.guard.ipc_cache import cache_miss
 from server.guard.output_faults import output_fault
@@ -212,7 +217,7 @@ class GuardedEngineClient:
     ) -> AsyncGenerator[RequestOutput, None]:
         """One try of the request on the current engine: its outputs as they may be handed on; how it
         ended is left in ``carry.outcome``."""
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         port = self._port
         carry.outcome = Outcome.RETRY
@@ -250,6 +255,10 @@ class GuardedEngineClient:
                 port.died(attempt)
                 carry.outcome = Outcome.CARRY
                 return
+            except EngineGenerateError as exc:  # before any output: refused for the request's own content
+                if first and isinstance(exc.__cause__, UnsendableRequestError.CAUSES):
+                    raise UnsendableRequestError.from_cause(exc.__cause__) from exc
+                raise
             except NotResumableError:  # a re-run that diverged: it ends here, on the engine too
                 await attempt.engine.abort(request_id)
                 raise

@@ -45,3 +45,19 @@ class QuarantinedRequestError(GuardError, ValueError):
     """The request was in the failing step of too many engine faults and is refused. HTTP 400."""
 
     status = HTTPStatus.BAD_REQUEST
+
+
+class UnsendableRequestError(GuardError, ValueError):
+    """The engine refused the request before accepting it, for something in the request itself (vLLM's
+    ``AsyncLLM.add_request`` raised ``EngineGenerateError`` from an ``OverflowError``, ``TypeError``...: an
+    integer beyond 64 bits in ``vllm_xargs`` cannot be serialised to the engine core). HTTP 400; nothing
+    reached the engine core, nothing is charged."""
+
+    status = HTTPStatus.BAD_REQUEST
+
+    #: The causes that are the request's: serialising or converting what the client sent.
+    CAUSES: tuple[type[BaseException], ...] = (OverflowError, TypeError, KeyError, IndexError, UnicodeError)
+
+    @classmethod
+    def from_cause(cls, cause: BaseException) -> UnsendableRequestError:
+        return cls(f"The request cannot be sent to the engine: {type(cause).__name__}: {cause}")

@@ -167,3 +167,45 @@ async def test_client_errors_raised_by_vllm_are_answered_without_an_app_exceptio
     async with httpx.AsyncClient(transport=strict, base_url="http://vlguard.test") as client:
         resp = await client.post(CHAT, json={"model": api.model, "messages": []})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
+
+
+#: A client's mistakes that reached vLLM's serving layer or the engine's input path and came back as a 500
+#: or 501 (#44): the whole kind is the client's 400, in the envelope, with a message naming the problem.
+CLIENT_MISTAKES = {
+    "tool without function": (
+        {"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "missing field 'function'",
+    ),
+    "tool function a list": ({"tools": [{"type": "function", "function": []}], "tool_choice": "auto"}, ""),
+    "file part": (
+        {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_data": "aGk="}}]}]},
+        "file",
+    ),
+    "input_file part": (
+        {"messages": [{"role": "user", "content": [{"type": "input_file", "file_data": "aGk="}]}]},
+        "",
+    ),
+    "vllm_xargs beyond 64 bits": ({"vllm_xargs": {"k": 2**70}}, "OverflowError"),
+    "vllm_xargs nested beyond 64 bits": ({"vllm_xargs": {"k": [1, -(2**64)]}}, "OverflowError"),
+}
+
+
+@pytest.mark.parametrize("case", CLIENT_MISTAKES)
+async def test_a_clients_mistake_is_a_4xx_never_a_5xx(api: Api, case: str) -> None:
+    extra, needle = CLIENT_MISTAKES[case]
+    body = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    resp = await api.client.post(CHAT, json=body)
+    assert 400 <= resp.status_code < 500, resp.text
+    assert_envelope(resp, resp.status_code, needle)
+    good = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await api.client.post(CHAT, json=good)).status_code == 200
+
+
+async def test_a_stream_the_engine_cannot_take_ends_with_a_400_error_event(api: Api) -> None:
+    """A stream's response has started before the engine sees the request (vLLM's serving layer): the
+    refusal arrives as its error event, with the client's status."""
+    body = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "vllm_xargs": {"k": 2**70}}  # fmt: skip
+    async with api.client.stream("POST", CHAT, json=body) as resp:
+        events = [line async for line in resp.aiter_lines() if line.startswith("data: {")]
+    assert '"code":400' in events[-1].replace(" ", "") and "OverflowError" in events[-1], events

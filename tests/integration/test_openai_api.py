@@ -116,3 +116,19 @@ def test_bad_image_is_a_400_and_the_engine_lives_on(server: ServerProcess, model
     assert metric(server, "vlguard_engine_deaths_total") == deaths == 0
     log = server.log_path.read_text()
     assert "Is anyone wearing a helmet?" not in log and "base64," not in log  # no prompt text or image data logged
+
+
+def test_a_request_the_engine_cannot_take_is_a_400_on_the_real_engine(server: ServerProcess, model_name: str) -> None:
+    """#44: an integer beyond 64 bits in ``vllm_xargs`` cannot be serialised to the real engine core (vLLM:
+    500 with an empty message); a tool without ``function`` fails a validator of vLLM's request model (vLLM:
+    500 ``'function'``). Both are the client's 400 with a message, and the engine serves on. (The whole
+    kind runs in-process: tests/api/test_requests.py.)"""
+    deaths = metric(server, "vlguard_engine_deaths_total")
+    cases = [({"vllm_xargs": {"k": 2**70}}, "OverflowError"),
+             ({"tools": [{"type": "function"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+              "missing field 'function'")]  # fmt: skip
+    for extra, needle in cases:
+        resp = httpx.post(server.url + "/v1/chat/completions", json=chat_body(model_name, **extra), timeout=120)
+        assert resp.status_code == 400 and needle in resp.json()["error"]["message"], resp.text
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat_body(model_name), timeout=120).status_code == 200
+    assert metric(server, "vlguard_engine_deaths_total") == deaths
