@@ -214,6 +214,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         poison_rules=lambda: app.state.poison_rules,
         engine_ready=lambda: supervisor.state is EngineState.READY,
         expose=lambda guard: setattr(app.state, "input_guard", guard),
+        keys=len(_api_keys(args)),
     )
     _add_middleware(app, args)
     app.add_middleware(TransportMiddleware, keys=_api_keys(args))  # outermost: before anything reads the request

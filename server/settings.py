@@ -45,6 +45,13 @@ class GuardSettings(BaseSettings):
     machine's; an image request costs the API process about four times its body while it is parsed and
     decoded). A body larger than the whole budget gets 413."""
 
+    body_share: float = Field(default=0.25, gt=0, le=1)
+    """Fraction of ``max_body_memory_mb`` the bodies of one client may hold at once (a client: its API key
+    when the server has several, else its address, IPv6 by /64); one more byte gets 429 + Retry-After, and
+    a body larger than the share 413. Stalled or slow uploads from one client then never refuse another's
+    request nor turn /ready 503. Clients without an identity (loopback: behind a proxy on the host, which
+    keeps its own per-source limits) share the whole budget."""
+
     body_timeout: float = Field(default=30.0, gt=0)
     """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
     ``max_inflight`` slots only once its body has arrived, so stalled uploads cannot fill them."""

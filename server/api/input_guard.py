@@ -57,6 +57,7 @@ from server.api.media import (
 )
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
+from server.guard.clients import client_key
 from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
@@ -112,7 +113,8 @@ class InputGuardMiddleware:
     poison_rules: returns the served model's facts for the known-poison rules once the engine is up
         (:mod:`server.api.poison`; ``None``: not known yet).
     engine_ready: whether the engine serves now (a body over the memory budget then gets 429, else 503).
-    expose: called with the middleware once built (the app keeps it for readiness)."""
+    expose: called with the middleware once built (the app keeps it for readiness).
+    keys: how many API keys the server has (a client's identity: :func:`server.guard.clients.client_key`)."""
 
     def __init__(
         self,
@@ -125,6 +127,7 @@ class InputGuardMiddleware:
         poison_rules: Callable[[], PoisonRules | None] = lambda: None,
         engine_ready: Callable[[], bool] = lambda: True,
         expose: Callable[[InputGuardMiddleware], None] = lambda guard: None,
+        keys: int = 0,
     ) -> None:
         self.app = app
         self.poison_rules = poison_rules
@@ -150,6 +153,9 @@ class InputGuardMiddleware:
         self.active = 0
         self.body_budget = settings.body_memory_bytes()
         self.body_bytes = 0  # bytes of the bodies inside now (received, checked, held, served)
+        self.keys = keys
+        self.client_share = int(self.body_budget * settings.body_share)
+        self.client_bytes: dict[str, int] = {}  # client identity -> bytes its bodies hold now
         self.engine_ready = engine_ready
         self.body_timeout = settings.body_timeout
         expose(self)
@@ -167,10 +173,13 @@ class InputGuardMiddleware:
                 await self._refuse(scope, receive, send, HTTPStatus.NOT_FOUND, message, "route")
             return
         held = [0]  # bytes this request holds of the body budget
+        who = client_key(scope, self.keys)
         try:
-            await self._admit(scope, receive, send, held)
+            await self._admit(scope, receive, send, held, who)
         finally:
             self.body_bytes -= held[0]
+            if who and (left := self.client_bytes.pop(who, 0) - held[0]) > 0:
+                self.client_bytes[who] = left
             m.BODY_BYTES.set(self.body_bytes)
 
     def saturated(self) -> bool:
@@ -178,29 +187,43 @@ class InputGuardMiddleware:
         body budget spent): readiness reports it, so a balancer routes elsewhere."""
         return bool(self.max_inflight and self.active >= self.max_inflight) or self.body_bytes >= self.body_budget
 
-    def _take(self, held: list[int], n: int) -> bool:
-        """Count ``n`` more body bytes for a request (``held``) if the budget allows them."""
+    def _largest(self, who: str) -> int:
+        """The largest body client ``who`` may send: the request limit, the budget, the client's share."""
+        return min(self.max_body, self.body_budget, self.client_share if who else self.body_budget)
+
+    def _take(self, held: list[int], n: int, who: str) -> str:
+        """Count ``n`` more body bytes for a request (``held``) of client ``who`` if the budget and the
+        client's share allow them; else the refusal's reason."""
+        if who and self.client_bytes.get(who, 0) + n > self.client_share:
+            return "client_memory"
         if self.body_bytes + n > self.body_budget:
-            return False
+            return "memory"
         self.body_bytes += n
         held[0] += n
+        if who:
+            self.client_bytes[who] = self.client_bytes.get(who, 0) + n
         m.BODY_BYTES.set(self.body_bytes)
-        return True
+        return ""
 
-    async def _refuse_memory(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse_memory(self, scope: Scope, receive: Receive, send: Send, who: str, reason: str) -> None:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        if reason == "client_memory":  # this client's own uploads: never the server's state
+            message = (f"Too many request bodies in progress from this client: they hold {self.client_bytes[who]} "
+                       f"bytes (limit {self.client_share} per client); retry later")  # fmt: skip
+            await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message, reason, headers)
+            return
         ready = self.engine_ready()
         status = HTTPStatus.TOO_MANY_REQUESTS if ready else HTTPStatus.SERVICE_UNAVAILABLE
         message = (
             f"Server busy: the request bodies in progress hold {self.body_bytes} bytes "
             f"(limit {self.body_budget}{'' if ready else ', engine restarting'}); retry later"
         )
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
         await self._refuse(scope, receive, send, status, message, "memory", headers)
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send, held: list[int]) -> None:
-        too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self.max_body} bytes"
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, held: list[int], who: str) -> None:
+        too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self._largest(who)} bytes"
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        if declared is not None and declared.isdigit() and int(declared) > self._largest(who):
             await self._refuse(scope, receive, send, *too_large, "body_too_large")
             return
         chunks: list[bytes] = []
@@ -214,11 +237,10 @@ class InputGuardMiddleware:
                         return
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > self.max_body or size > self.body_budget:  # could never fit: 413, not 429
+                    if size > self._largest(who):  # could never fit: 413, not 429
                         refusal = "body_too_large"
                         break
-                    if not self._take(held, len(chunk)):
-                        refusal = "memory"
+                    if refusal := self._take(held, len(chunk), who):
                         break
                     chunks.append(chunk)
                     if not message.get("more_body", False):
@@ -226,12 +248,11 @@ class InputGuardMiddleware:
         except TimeoutError:
             refusal = "body_timeout"
         if refusal == "body_too_large":
-            limit = min(self.max_body, self.body_budget)
             await self._refuse(scope, receive, send, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                               f"Request body larger than {limit} bytes", "body_too_large")  # fmt: skip
+                               f"Request body larger than {self._largest(who)} bytes", "body_too_large")  # fmt: skip
             return
-        if refusal == "memory":
-            await self._refuse_memory(scope, receive, send)
+        if refusal in ("memory", "client_memory"):
+            await self._refuse_memory(scope, receive, send, who, refusal)
             return
         if refusal == "body_timeout":
             message_ = f"Request body not received within {self.body_timeout:g} s"

@@ -127,7 +127,8 @@ API_TASKS = Gauge(
 )
 REQUESTS_REJECTED = Counter(
     "vlguard_requests_rejected",
-    "Requests refused at the door, by reason (media, body, body_too_large, overload, client_faults, poison, memory).",
+    "Requests refused at the door, by reason (media, body, body_too_large, overload, client_faults, poison, memory, "
+    "client_memory, route).",
     ["reason"],
 )
 REQUESTS_QUARANTINED = Counter(
@@ -207,6 +208,7 @@ for _reason in (
     "client_faults",
     "poison",
     "memory",
+    "client_memory",
     "route",
 ):
     REQUESTS_REJECTED.labels(reason=_reason)

@@ -8,6 +8,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+
 from tests.inprocess import Api
 
 CHAT = "/v1/chat/completions"
@@ -112,3 +114,45 @@ async def test_a_client_uuid_never_stands_for_content(api: Api) -> None:
     assert prompts[0] != prompts[1]  # two pictures, two prompts: the second was not taken for the first
     refused = await api.client.post(CHAT, json=chat(None))
     assert refused.status_code == 400 and "uuid without the media" in refused.json()["error"]["message"]
+
+
+def client_from(api: Api, host: str) -> httpx.AsyncClient:
+    """A client of the same in-process app seen from ``host`` (the ASGI scope's client address)."""
+    transport = httpx.ASGITransport(app=api.app, raise_app_exceptions=False, client=(host, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://vlguard.test", timeout=30)
+
+
+async def test_one_clients_stalled_uploads_never_refuse_another_nor_turn_ready_503(make_api: Any) -> None:
+    """#44: ten stalled uploads that filled the body budget turned /ready 503 and refused every client's
+    request with 429. Now one client's bodies hold at most its share (a quarter of the budget): its next
+    upload gets 429 naming the client's limit, another client is served, /ready stays 200, and the share
+    is given back when the stalled uploads time out. A body larger than the share is 413 for an identified
+    client. (IPv6 clients share one identity per /64.)"""
+    api: Api = await make_api("--guard-max-body-memory-mb", "1", "--guard-body-timeout", "2")
+    chunk = b"x" * 100_000
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", "messages": [], "pad": "' + chunk
+        await never.wait()
+
+    headers = {"content-type": "application/json"}
+    async with client_from(api, "198.51.100.7") as mallory, client_from(api, "2001:db8::1") as alice, \
+            client_from(api, "2001:db8::2") as alice_too:  # fmt: skip
+        assert (await api.client.get("/ready")).status_code == 200  # the middleware stack is built
+        guard = api.app.state.input_guard
+        uploads = [asyncio.create_task(mallory.post(CHAT, content=stalled(), headers=headers)) for _ in range(2)]
+        deadline = asyncio.get_running_loop().time() + 30
+        while guard.client_bytes.get("addr:198.51.100.7", 0) < 200_000:  # both uploads have sent their chunk
+            assert asyncio.get_running_loop().time() < deadline, "the uploads never arrived"
+            await asyncio.sleep(0.01)
+        third = await mallory.post(CHAT, content=b'{"pad": "' + chunk + b'"}', headers=headers)
+        assert third.status_code == 429 and "limit 262144 per client" in third.json()["error"]["message"]
+        assert third.headers["retry-after"]
+        assert (await alice.post(CHAT, json=body(api.model))).status_code == 200  # another client is served
+        assert (await api.client.get("/ready")).status_code == 200  # not saturated by one client
+        big = await alice_too.post(CHAT, json={**body(api.model), "pad": "y" * 300_000})
+        assert big.status_code == 413 and "262144" in big.text  # larger than a client's share
+        assert [r.status_code for r in await asyncio.wait_for(asyncio.gather(*uploads), 30)] == [408, 408]
+        assert guard.client_bytes == {} and guard.body_bytes == 0  # given back
+        assert (await mallory.post(CHAT, json=body(api.model))).status_code == 200
