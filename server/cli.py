@@ -51,7 +51,15 @@ def main(argv: list[str] | None = None) -> None:
         print(build_tiny_model(args.dir) if args.dir else cached_tiny_model())
         return
 
-    args, settings = resolve_serve_args(argv)
+    import pydantic
+
+    try:
+        args, settings = resolve_serve_args(argv)
+    except pydantic.ValidationError as exc:  # a --guard-* value out of range: a usage error, not a traceback
+        for err in exc.errors():
+            flag = "--guard-" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+            print(f"vlguard serve: {flag}: {err['msg']} (got {err.get('input')!r})", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.print_config:
         json.dump(describe_config(args, settings), sys.stdout, indent=2, sort_keys=True, default=repr)
         sys.stdout.write("\n")

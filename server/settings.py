@@ -46,7 +46,7 @@ class GuardSettings(BaseSettings):
     decoded). A body larger than the whole budget gets 413."""
 
     body_share: float = Field(default=0.25, gt=0, le=1)
-    """Fraction of ``max_body_memory_mb`` the bodies of one client may hold at once (a client: its API key
+    """Fraction of --guard-max-body-memory-mb the bodies of one client may hold at once (a client: its API key
     when the server has several, else its address, IPv6 by /64); one more byte gets 429 + Retry-After, and
     a body larger than the share 413. Stalled or slow uploads from one client then never refuse another's
     request nor turn /ready 503. Clients without an identity (loopback: behind a proxy on the host, which

@@ -79,7 +79,7 @@ class EngineBuilder:
         spares: keeps a spare engine process for rebuilds (:mod:`server.guard.spare`); None: every build
             spawns its processes.
         reap_children: at shutdown, end every process below this one (see :meth:`shut_down`); and when a
-            rebuild takes longer than its bound, every process below this one but the spare's.
+            rebuild takes longer than its bound, the processes it started (the next rebuild's spare kept).
         limits: bounds each build (:meth:`HoldPolicy.build_limit`); None: ``startup_timeout`` each.
     """
 
@@ -94,9 +94,7 @@ class EngineBuilder:
     ) -> None:
         self.engine_factory, self.settings, self.state_dir = engine_factory, settings, state_dir
         self.spares, self.reap_children = spares, reap_children
-        self.limits = limits or HoldPolicy(
-            settings.hold_timeout, settings.startup_timeout, rebuild_s=settings.rebuild_timeout
-        )
+        self.limits = limits or HoldPolicy.from_settings(settings)
         self.renderer = ServingRenderer()
         self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
         #: True when shutdown had to leave a build behind in its daemon thread (it does not hold the exit).
@@ -230,7 +228,7 @@ class EngineBuilder:
                 await asyncio.to_thread(watchdog.end_descendants, 0.0, keep)  # its handshake with the engine then fails
             await asyncio.wait({building}, timeout=0.5)
         if not building.done():
-            logger.error("an engine build did not end within %.0f s of shutdown; leaving it", bound_s)
+            logger.error("an engine build did not end within %.0f s of being abandoned; leaving it", bound_s)
             self.abandoned_build = True
             return
         if not building.cancelled() and building.exception() is None:

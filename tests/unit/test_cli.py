@@ -95,6 +95,17 @@ def test_invalid_guard_value_is_refused() -> None:
         resolve_serve_args(["serve", "m", "--guard-startup-timeout", "-5"])
 
 
+def test_an_invalid_guard_value_is_a_usage_error_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "m", "--guard-body-share", "1.5", "--guard-hold-timeout", "-5"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--guard-body-share: Input should be less than or equal to 1" in err and "--guard-hold-timeout" in err
+    assert "Traceback" not in err
+
+
 def test_unknown_flag_is_refused() -> None:
     with pytest.raises(SystemExit):
         resolve_serve_args(["serve", "m", "--no-such-flag"])
