@@ -159,7 +159,13 @@ class FakeEngine:
             # What AsyncLLM raises when the engine-core client cannot serialise the request (msgspec).
             from vllm.v1.engine.exceptions import EngineGenerateError
 
-            raise EngineGenerateError() from OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
+            def add_request() -> None:  # where AsyncLLM's engine-core client serialises the request
+                raise OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")
+
+            try:
+                add_request()
+            except OverflowError as exc:
+                raise EngineGenerateError() from exc
         self.inputs[request_id] = prompt
         self.sampling[request_id] = sampling_params
         if self.receiver and not self._receive(prompt):

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.guard.engine_client import ENGINE_ENTERED
 from server.guard.errors import GuardError
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ async def _on_engine_dead(_: Request, exc: Exception) -> JSONResponse:
     return unavailable_response(exc)
 
 
+#: What vLLM's serving layer raises on a request shape it reads without checking (after the body parsed).
+RENDERING_ERRORS = (KeyError, AttributeError, IndexError)
+
+
 def _raised_parsing_the_body(exc: BaseException) -> bool:
     """Whether ``exc`` was raised while FastAPI turned the request body into the route's request model
     (its frames pass through FastAPI's ``request_body_to_args``): a validator of vLLM's request models
@@ -145,6 +150,11 @@ async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     from server.vllm_hooks.locations import vllm_symbol
 
     if _raised_parsing_the_body(exc):
+        return error_response(HTTPStatus.BAD_REQUEST, f"Invalid request: {_client_message(exc)}")
+    if isinstance(exc, RENDERING_ERRORS) and request.method == "POST" and not ENGINE_ENTERED.get():
+        # vLLM's serving layer failed on the request's shape while rendering it (a Responses item without
+        # a role: KeyError 'role'; a refusal part: AttributeError), before handing it to the engine
+        logger.warning("%s rendering %s: answered 400", type(exc).__name__, request.url.path, exc_info=exc)
         return error_response(HTTPStatus.BAD_REQUEST, f"Invalid request: {_client_message(exc)}")
     if isinstance(exc, NotImplementedError):
         return error_response(HTTPStatus.BAD_REQUEST, f"Not supported by this server: {exc}")
@@ -185,6 +195,7 @@ def install_error_handlers(app: FastAPI) -> None:
     | ``ValueError``, ``TypeError``, vLLM's client errors (``VLLMValidationError``, ``VLLMNotFoundError``) | 400 / 404 |
     | vLLM's failed prompt replacement (``AssertionError``: the prompt lost a media placeholder) | 400 |
     | anything raised while the body is parsed into vLLM's request model (a validator's ``KeyError``) | 400 |
+    | ``KeyError``, ``AttributeError``, ``IndexError`` before the request reached the engine client | 400, logged |
     | ``NotImplementedError`` (vLLM: an unknown content part type, e.g. ``file``) | 400 (vLLM: 501) |
     | anything else | vLLM's ``create_error_response`` status, 500 logged with traceback |
 

@@ -42,7 +42,9 @@ async def ready(supervisor: SupervisorDep, saturated: DoorSaturatedDep) -> JSONR
     held now would wait for the engine, seconds (:mod:`server.guard.hold`)."""
     is_ready = supervisor.is_ready() and not saturated
     body: dict[str, object] = {"ready": is_ready, "engine": supervisor.state.value, "saturated": saturated}
-    body |= {"rebuild": supervisor.builder.rebuild_path().value, "hold_s": round(supervisor.hold_limit(), 1)}
+    gone = supervisor.state in (EngineState.FAILED, EngineState.STOPPED)  # nothing is held: refused at once
+    hold_s = 0.0 if gone else round(supervisor.hold_limit(), 1)
+    body |= {"rebuild": supervisor.builder.rebuild_path().value, "hold_s": hold_s}
     return JSONResponse(
         body,
         status_code=200 if is_ready else 503,

@@ -1,8 +1,8 @@
 """Refuse bad or excessive generation requests at the door (pure ASGI middleware).
 
 For ``POST`` to the generation routes and ``/tokenize`` (paths compared without ``--root-path``), before
-vLLM sees the request (any other ``POST`` path gets **404** unless it is known to take no input,
-:data:`UNCHECKED_POSTS`: deny by default):
+vLLM sees the request (any other ``POST`` path gets **404** unless it is known to take no media or prompt,
+:data:`UNCHECKED_POSTS`, such as ``/detokenize``: deny by default; those get step 1 and 2 only):
 
 1. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
    more gets **413**; a body that has not arrived within ``body_timeout`` seconds gets **408**. The
@@ -58,6 +58,7 @@ from server.api.media import (
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.guard.clients import client_key
+from server.guard.engine_client import ENGINE_ENTERED
 from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
@@ -165,17 +166,14 @@ class InputGuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        if path not in CHECKED_PATHS:
-            if UNCHECKED_POSTS.fullmatch(path):
-                await self.app(scope, receive, send)
-            else:
-                message = f"POST {path} is not served: vlguard's input guard does not check this route"
-                await self._refuse(scope, receive, send, HTTPStatus.NOT_FOUND, message, "route")
+        if path not in CHECKED_PATHS and not UNCHECKED_POSTS.fullmatch(path):
+            message = f"POST {path} is not served: vlguard's input guard does not check this route"
+            await self._refuse(scope, receive, send, HTTPStatus.NOT_FOUND, message, "route")
             return
         held = [0]  # bytes this request holds of the body budget
         who = client_key(scope, self.keys)
-        try:
-            await self._admit(scope, receive, send, held, who)
+        try:  # every body is bounded (size, time, budget, the client's share); only inputs are checked
+            await self._admit(scope, receive, send, held, who, checked=path in CHECKED_PATHS)
         finally:
             self.body_bytes -= held[0]
             if who and (left := self.client_bytes.pop(who, 0) - held[0]) > 0:
@@ -220,7 +218,9 @@ class InputGuardMiddleware:
         )
         await self._refuse(scope, receive, send, status, message, "memory", headers)
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send, held: list[int], who: str) -> None:
+    async def _admit(
+        self, scope: Scope, receive: Receive, send: Send, held: list[int], who: str, checked: bool = True
+    ) -> None:
         too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self._largest(who)} bytes"
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._largest(who):
@@ -268,13 +268,13 @@ class InputGuardMiddleware:
             return
         self.active += 1
         try:
-            await self._serve(scope, receive, send, raw)
+            await self._serve(scope, receive, send, raw, checked)
         finally:
             self.active -= 1
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, checked: bool = True) -> None:
         try:
-            rewritten = await self._check(raw, generation=route_path(scope) in GENERATION_PATHS)
+            rewritten = await self._check(raw, generation=route_path(scope) in GENERATION_PATHS) if checked else None
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
@@ -286,6 +286,7 @@ class InputGuardMiddleware:
 
         replayed = False
         current_request.set((f"POST {route_path(scope)}", raw))  # the forensic record's (server.guard.forensics)
+        ENGINE_ENTERED.set(False)  # until vLLM's serving layer hands this request to the engine client
 
         async def replay() -> Message:
             nonlocal replayed

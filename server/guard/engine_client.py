@@ -28,6 +28,7 @@ current. When the engine dies under a request:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import logging
 from collections.abc import AsyncGenerator, Iterable
@@ -54,6 +55,11 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+#: Whether the request served in this context reached the engine client (set on the first iteration of
+#: :meth:`GuardedEngineClient.generate`; the input guard clears it as each request enters): an exception
+#: vLLM's serving layer raised before that came from rendering the client's request (server.api.errors).
+ENGINE_ENTERED: contextvars.ContextVar[bool] = contextvars.ContextVar("vlguard_engine_entered", default=False)
 
 
 def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[Any, Any]:
@@ -185,6 +191,7 @@ class GuardedEngineClient:
                 carried over a death (not resumable, replay limit).
             QuarantinedRequestError: the request is quarantined (400).
         """
+        ENGINE_ENTERED.set(True)
         fp = fingerprint(prompt, sampling_params)
         self._check_quarantine(fp)
         carry = Carry.start(prompt, sampling_params)
@@ -255,9 +262,9 @@ class GuardedEngineClient:
                 port.died(attempt)
                 carry.outcome = Outcome.CARRY
                 return
-            except EngineGenerateError as exc:  # before any output: refused for the request's own content
-                if first and isinstance(exc.__cause__, UnsendableRequestError.CAUSES):
-                    raise UnsendableRequestError.from_cause(exc.__cause__) from exc
+            except EngineGenerateError as exc:  # before any output: refused for the request's own content?
+                if first and (mine := UnsendableRequestError.of(exc.__cause__)) is not None:
+                    raise mine from exc
                 raise
             except NotResumableError:  # a re-run that diverged: it ends here, on the engine too
                 await attempt.engine.abort(request_id)

@@ -58,6 +58,19 @@ class UnsendableRequestError(GuardError, ValueError):
     #: The causes that are the request's: serialising or converting what the client sent.
     CAUSES: tuple[type[BaseException], ...] = (OverflowError, TypeError, KeyError, IndexError, UnicodeError)
 
+    #: Where vLLM adds a request (``AsyncLLM.add_request``, the engine-core client's ``add_request_async``).
+    ADDING = frozenset({"add_request", "add_request_async", "_add_request"})
+
     @classmethod
-    def from_cause(cls, cause: BaseException) -> UnsendableRequestError:
+    def of(cls, cause: BaseException | None) -> UnsendableRequestError | None:
+        """The client's error for ``cause`` if it is one of :data:`CAUSES` raised while vLLM added the request
+        (a frame of :data:`ADDING` in its traceback); None otherwise: the same types raised by vLLM's output
+        handler reach every waiting request and are the server's."""
+        if not isinstance(cause, cls.CAUSES):
+            return None
+        tb = cause.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_name not in cls.ADDING:
+            tb = tb.tb_next
+        if tb is None:
+            return None
         return cls(f"The request cannot be sent to the engine: {type(cause).__name__}: {cause}")

@@ -156,3 +156,25 @@ async def test_one_clients_stalled_uploads_never_refuse_another_nor_turn_ready_5
         assert [r.status_code for r in await asyncio.wait_for(asyncio.gather(*uploads), 30)] == [408, 408]
         assert guard.client_bytes == {} and guard.body_bytes == 0  # given back
         assert (await mallory.post(CHAT, json=body(api.model))).status_code == 200
+
+
+async def test_a_route_without_inputs_to_check_still_has_its_body_bounded(make_api: Any) -> None:
+    """#44: /detokenize took a 66 MiB body (200 after 30 s, +3 GB) and a stalled upload there never timed
+    out: every POST body is now bounded in size, time and budget, whatever the route; only its checks
+    differ (a list of token ids has no media)."""
+    api: Api = await make_api("--guard-max-request-mb", "1", "--guard-body-timeout", "1")
+    big = {"model": api.model, "tokens": [1] * 600_000}  # ~1.8 MB of JSON
+    resp = await api.client.post("/detokenize", json=big)
+    assert resp.status_code == 413 and "larger than" in resp.json()["error"]["message"], resp.text
+    never = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", "tokens": [1, 2'
+        await never.wait()
+
+    stalled_upload = await asyncio.wait_for(
+        api.client.post("/detokenize", content=stalled(), headers={"content-type": "application/json"}), 30
+    )
+    assert stalled_upload.status_code == 408
+    ok = await api.client.post("/detokenize", json={"model": api.model, "tokens": [1, 2]})
+    assert ok.status_code == 200 and "prompt" in ok.json()

@@ -209,3 +209,18 @@ async def test_a_stream_the_engine_cannot_take_ends_with_a_400_error_event(api: 
     async with api.client.stream("POST", CHAT, json=body) as resp:
         events = [line async for line in resp.aiter_lines() if line.startswith("data: {")]
     assert '"code":400' in events[-1].replace(" ", "") and "OverflowError" in events[-1], events
+
+
+@pytest.mark.parametrize(
+    "item", [{"type": "item_reference", "id": "x"}, {"type": "reasoning", "id": "r", "summary": []}]
+)
+async def test_a_responses_item_vllm_cannot_render_is_a_400(api: Api, item: dict[str, object]) -> None:
+    """#44: vLLM's serving layer reads a Responses input item's ``role`` unchecked (500 ``'role'``, a
+    KeyError while rendering, after the body parsed): raised before the request reached the engine client,
+    it is the client's 400; the engine never saw it."""
+    seen = len(api.engine.requests)
+    resp = await api.client.post("/v1/responses", json={"model": api.model, "input": [item], "max_output_tokens": 4})
+    assert_envelope(resp, 400, "missing field 'role'")
+    assert len(api.engine.requests) == seen
+    good = {"model": api.model, "input": "Is the exit clear?", "max_output_tokens": 2}
+    assert (await api.client.post("/v1/responses", json=good)).status_code == 200

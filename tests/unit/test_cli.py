@@ -95,8 +95,14 @@ def test_invalid_guard_value_is_refused() -> None:
         resolve_serve_args(["serve", "m", "--guard-startup-timeout", "-5"])
 
 
-def test_an_invalid_guard_value_is_a_usage_error_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_invalid_guard_value_is_a_usage_error_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from server.cli import main
+    from server.metrics import registry
+
+    # `serve` switches this process's metrics to multiprocess mode: not in the test process
+    monkeypatch.setattr(registry, "prepare_multiprocess_dir", lambda: None)
 
     with pytest.raises(SystemExit) as exited:
         main(["serve", "m", "--guard-body-share", "1.5", "--guard-hold-timeout", "-5"])
