@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.guard.engine_client import ENGINE_ENTERED
-from server.guard.errors import GuardError
+from server.guard.errors import GuardError, raised_in
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,7 @@ def _raised_parsing_the_body(exc: BaseException) -> bool:
     (its frames pass through FastAPI's ``request_body_to_args``): a validator of vLLM's request models
     that fails on the client's data with something other than a validation error (a ``KeyError`` on a tool
     without ``function``) is still the client's doing."""
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "request_body_to_args" and "fastapi" in code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
+    return raised_in(exc, frozenset({"request_body_to_args"}), "fastapi")
 
 
 def _client_message(exc: BaseException) -> str:

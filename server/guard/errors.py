@@ -47,6 +47,18 @@ class QuarantinedRequestError(GuardError, ValueError):
     status = HTTPStatus.BAD_REQUEST
 
 
+def raised_in(exc: BaseException, functions: frozenset[str], path_part: str = "") -> bool:
+    """Whether ``exc``'s traceback passes through a function named in ``functions`` (whose file's path holds
+    ``path_part``)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in functions and path_part in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class UnsendableRequestError(GuardError, ValueError):
     """The engine refused the request before accepting it, for something in the request itself (vLLM's
     ``AsyncLLM.add_request`` raised ``EngineGenerateError`` from an ``OverflowError``, ``TypeError``...: an
@@ -66,11 +78,6 @@ class UnsendableRequestError(GuardError, ValueError):
         """The client's error for ``cause`` if it is one of :data:`CAUSES` raised while vLLM added the request
         (a frame of :data:`ADDING` in its traceback); None otherwise: the same types raised by vLLM's output
         handler reach every waiting request and are the server's."""
-        if not isinstance(cause, cls.CAUSES):
-            return None
-        tb = cause.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_name not in cls.ADDING:
-            tb = tb.tb_next
-        if tb is None:
+        if not isinstance(cause, cls.CAUSES) or not raised_in(cause, cls.ADDING):
             return None
         return cls(f"The request cannot be sent to the engine: {type(cause).__name__}: {cause}")
