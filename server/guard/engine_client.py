@@ -179,6 +179,26 @@ class GuardedEngineClient:
 
     def __init__(self, port: EnginePort) -> None:
         self._port = port
+        # The serving layer's request id -> the ids its requests are inside the engine under now. A client
+        # chooses the serving layer's id (``X-Request-Id``): two requests with one id go to the engine as
+        # two ids (the second with a ``~N`` suffix), so the ledger, fault charging and aborts tell them apart.
+        self._engine_ids: dict[str, list[str]] = {}
+        self._seq = 0
+
+    def _claim(self, request_id: str) -> str:
+        """A fresh engine-side id for a request the serving layer calls ``request_id``."""
+        taken = self._engine_ids.setdefault(request_id, [])
+        self._seq += 1
+        engine_id = f"{request_id}~{self._seq}" if taken else request_id
+        taken.append(engine_id)
+        return engine_id
+
+    def _release(self, request_id: str, engine_id: str) -> None:
+        taken = self._engine_ids.get(request_id, [])
+        if engine_id in taken:
+            taken.remove(engine_id)
+        if not taken:
+            self._engine_ids.pop(request_id, None)
 
     async def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
@@ -194,6 +214,20 @@ class GuardedEngineClient:
         ENGINE_ENTERED.set(True)
         fp = fingerprint(prompt, sampling_params)
         self._check_quarantine(fp)
+        engine_id = self._claim(request_id)
+        try:
+            async with contextlib.aclosing(self._carried(prompt, sampling_params, fp, engine_id, kwargs)) as outputs:
+                async for output in outputs:
+                    if engine_id != request_id:  # the serving layer's own id, as it asked
+                        output.request_id = request_id
+                    yield output
+        finally:
+            self._release(request_id, engine_id)
+
+    async def _carried(
+        self, prompt: Any, sampling_params: Any, fp: str, request_id: str, kwargs: dict[str, Any]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs over as many attempts as it takes (``request_id``: its engine-side id)."""
         carry = Carry.start(prompt, sampling_params)
         route, body = current_request.get() or (None, None)
         evidence = Evidence(route, body, prompt, sampling_params, current_client.get())
@@ -294,9 +328,12 @@ class GuardedEngineClient:
             raise
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests in the current engine (no-op when no engine is READY)."""
+        """Abort requests (by the serving layer's ids: every request inside under each) in the current
+        engine (no-op when no engine is READY)."""
+        asked = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [engine_id for rid in asked for engine_id in self._engine_ids.get(rid, [rid])]
         if (engine := self._port.current_engine()) is not None:
-            await engine.abort(request_id)
+            await engine.abort(ids)
 
     @property
     def errored(self) -> bool:

@@ -410,6 +410,50 @@ async def test_a_step_exception_charges_only_the_requests_of_that_step(make_guar
     assert g.sup.quarantine.clear() == 1 and g.sup.quarantine.quarantined_count() == 0
 
 
+async def test_requests_sharing_a_client_chosen_id_are_tracked_and_charged_apart(
+    make_guard: Callable[..., Any],
+) -> None:
+    """#44: a client picks the serving layer's request id (``X-Request-Id``). Three requests with one id
+    are three entries on the ledger (the gauge says 3), go to the engine under three ids, and a step
+    fault of one of them is charged to that one alone; an abort by the shared id reaches all of them."""
+    import json
+
+    from server.metrics import definitions as m
+
+    g = await make_guard(quarantine_deaths=1)
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    prompts = {"ok0": [9, 0], "bad": [9, 1], "ok2": [9, 2]}
+    tasks = {name: asyncio.create_task(g.collect(p, rid="same")) for name, p in prompts.items()}
+    await asyncio.wait_for(engine.wait_for_requests(seen + 3), WAIT_S)
+    engine_ids = sorted(engine.active)
+    assert len(engine_ids) == 3 and "same" in engine_ids  # the first keeps its id, the others a suffix
+    assert len(g.sup.inflight) == 3 and m.REQUESTS_INFLIGHT._value.get() == 3
+    bad = next(rid for rid, prompt in engine.inputs.items() if prompt["prompt_token_ids"] == [9, 1])
+    record = {"type": "ValueError", "message": "boom", "step_requests": [f"{bad}-0f0f0f0f"], "new_requests": []}
+    (g.sup.builder.engine_dir(g.sup.generation) / "fatal-1.json").write_text(json.dumps(record))
+    engine.die()
+    with pytest.raises(QuarantinedRequestError):
+        await asyncio.wait_for(tasks["bad"], WAIT_S)
+    assert await asyncio.wait_for(tasks["ok0"], WAIT_S) == greedy_tokens([9, 0], 4)
+    assert await asyncio.wait_for(tasks["ok2"], WAIT_S) == greedy_tokens([9, 2], 4)
+    assert g.sup.quarantine.quarantined_count() == 1
+
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    waiting = [asyncio.create_task(g.collect([5, i], rid="dup")) for i in range(2)]
+    await asyncio.wait_for(engine.wait_for_requests(seen + 2), WAIT_S)
+    aborted: list[Any] = []
+    engine.abort = lambda ids: aborted.append(ids) or asyncio.sleep(0)  # type: ignore[method-assign]
+    await g.client.abort("dup")
+    assert sorted(aborted[0]) == sorted(rid for rid in engine.active)
+    engine.resume()
+    await asyncio.wait_for(asyncio.gather(*waiting), WAIT_S)
+    assert not g.client._engine_ids  # nothing left behind
+
+
 async def test_a_suspect_runs_alone_and_holds_newcomers_only_during_its_first_step(
     make_guard: Callable[..., Any],
 ) -> None:
