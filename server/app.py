@@ -24,6 +24,7 @@ from server.api.errors import install_error_handlers
 from server.api.health import router as health_router
 from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
+from server.api.media_policy import MediaPolicy
 from server.api.model_facts import poison_rules
 from server.api.request_fixes import install_completion_fixes
 from server.api.transport import TransportMiddleware
@@ -31,6 +32,7 @@ from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
 from server.guard.systemd import Notifier
 from server.settings import GuardSettings
+from server.vllm_hooks import media_connector
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +191,8 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
                 for task in background:
                     task.cancel()
 
+    # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
+    media_connector.install(MediaPolicy.of(settings, args), trust_client_uuids=settings.trust_client_uuids)
     docs = {} if not args.disable_fastapi_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="vlguard", version=__version__, lifespan=lifespan, **docs)  # type: ignore[arg-type]
     app.state.supervisor = supervisor

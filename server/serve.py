@@ -255,7 +255,13 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     supervisor = Supervisor(
         factory, settings, state_dir=state_dir, reap_children=True, spares=spares, forensics=forensics(args, settings)
     )
-    app = create_app(args, settings, supervisor)
+    try:
+        app = create_app(args, settings, supervisor)
+    except ValueError as exc:  # what vlguard cannot honour (a media connector of a plugin's): refused at start
+        logger.critical("cannot start: %s", exc)
+        sock.close()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        return EXIT_STARTUP_FAILED
     config = uvicorn.Config(
         app,
         log_level=args.uvicorn_log_level,

@@ -66,6 +66,10 @@ class GuardSettings(BaseSettings):
     max_aspect_ratio: float = Field(default=200.0, ge=1)
     """Largest long-side / short-side ratio of an image (Qwen's processor refuses above 200); more gets 400."""
 
+    max_video_frames: int = Field(default=32, ge=1)
+    """Most frames one video may decode (vLLM samples 32 by default); a video that would decode more, or a
+    request's ``media_io_kwargs`` asking for more, gets 400. Each frame meets the image limits."""
+
     decode_threads: int = Field(default=2, ge=1)
     """Threads that decode and normalise images at the door (a pool of the door's own: vLLM's serving
     layer never waits behind it)."""

@@ -22,6 +22,8 @@ the process).
   deepstack backports, which stay probe-based: :mod:`server.patches.detect`), and the compile cache load;
 - :mod:`.processor_cache`: vLLM's multimodal processor cache in the form replays survive (a vLLM plugin);
 - :mod:`.structured_output`: vLLM's xgrammar backend, for the door's compile check;
+- :mod:`.media_connector`: vLLM's media connector under vlguard's media policy, and its item trackers
+  without client uuids (API process);
 - :mod:`.bench`: the phase trace's stamps (bench only; serving never imports it).
 
 Each :class:`Target` says what vLLM lacks that its hook stands in for (the upstream issue or PR) and when the
@@ -186,6 +188,12 @@ _GRAMMAR = (
     "vllm#43920: a grammar the engine's backend cannot compile kills the engine core (engine-side fix: vllm PR #47312)",
     "every supported vLLM has vllm PR #47312",
 )
+_MEDIA = (
+    "vLLM's media connector fetches any http(s) URL (remote media has no off switch), decodes images and video "
+    "frames of any size, and takes a request's media_io_kwargs (num_frames -1, video_backend) and media uuids "
+    "(vllm#55547) as given",
+    "vLLM bounds media before decoding, can refuse remote media, and bounds per-request media_io_kwargs",
+)
 _TRACE = ("the phase trace stamps vLLM's request path (bench only)", "vLLM traces its request phases itself")
 
 #: Every vLLM function a hook wraps, replaces or relies on the shape of.
@@ -228,6 +236,10 @@ TARGETS: tuple[Target, ...] = (
            ("self", "request"), f"{_AL}:wrap_completion_rendering",
            why='/v1/completions with "max_tokens": null ends in a 500 (0.20.0, 0.22.1)',
            until="every supported vLLM normalises a null max_tokens (0.32.0 does)"),
+    Target("vllm.multimodal.media.connector", "MediaConnector.load_from_url", ("self", "url", "media_io"),
+           "server.vllm_hooks.media_connector:install", why=_MEDIA[0], until=_MEDIA[1]),
+    Target("vllm.multimodal.media.connector", "MediaConnector.load_from_url_async", ("self", "url", "media_io"),
+           "server.vllm_hooks.media_connector:install", why=_MEDIA[0], until=_MEDIA[1]),
     Target(QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",
            at_start=False, why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
     Target(QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",

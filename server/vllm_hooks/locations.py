@@ -162,6 +162,33 @@ def wrap_mm_processor_cache_factory(wrap: Callable[[Callable[..., Any]], Callabl
     return where
 
 
+#: Where vLLM's multimodal item trackers (which collect a prompt's media items and their uuids) live,
+#: newest vLLM first.
+ITEM_TRACKER_MODULES = (
+    "vllm.renderers.chat_utils.item_tracker",
+    "vllm.renderers.chat_utils",
+    "vllm.entrypoints.chat_utils",
+)
+ITEM_TRACKERS = ("MultiModalItemTracker", "AsyncMultiModalItemTracker")
+
+
+def wrap_item_trackers(name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> list[str]:
+    """Replace method ``name`` of both of vLLM's multimodal item trackers (sync and async) by
+    ``wrap(original)``.
+
+    Returns:
+        The qualified names replaced.
+    Raises:
+        ImportError: no known location defines them (an unsupported vLLM version).
+    """
+    for module in ITEM_TRACKER_MODULES:
+        if (mod := _import_if_present(module)) is not None and all(hasattr(mod, cls) for cls in ITEM_TRACKERS):
+            for cls in ITEM_TRACKERS:
+                hook(getattr(mod, cls), name, wrap, f"{module}.{cls}.{name}")
+            return [f"{module}.{cls}.{name}" for cls in ITEM_TRACKERS]
+    raise ImportError("vLLM's multimodal item trackers were not found: unsupported vLLM version")
+
+
 def lru_sender_cache(model_config: Any) -> Any:
     """A new API half of vLLM's split ``lru`` processor cache for ``model_config`` (sized by its
     ``mm_processor_cache_gb``): it records the items sent and answers which ones the engine core's

@@ -67,7 +67,9 @@ def test_a_port_in_use_fails_the_start_before_the_engine_is_built(tmp_path: Path
 
 def test_production_profile_equals_production_line() -> None:
     profile = REPO / "config" / "qwen3-vl-30b-a3b-fp8.yaml"
-    from_line = describe_config(*resolve_serve_args(["serve", *PRODUCTION_LINE]))
+    # The users' line, plus the per-prompt media limit the profile adds (#44: vLLM's default is 999 a prompt).
+    media = ["--limit-mm-per-prompt", '{"image": 4, "video": 0}']
+    from_line = describe_config(*resolve_serve_args(["serve", *PRODUCTION_LINE, *media]))
     from_profile = describe_config(*resolve_serve_args(["serve", "--config", str(profile)]))
     assert from_profile["engine"] == from_line["engine"]
 

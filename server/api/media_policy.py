@@ -1,0 +1,207 @@
+"""The media policy every image and video frame meets inside vLLM's media layer, whatever carried it.
+
+The door (:mod:`server.api.media`) reads the request shapes it knows and refuses early; this policy is what
+keeps media out: vLLM loads every media item of every route and part shape (chat parts, Responses input
+items and tool outputs, render, ``/tokenize``, shapes a later vLLM adds) through its media connector, and
+vlguard's connector (:mod:`server.vllm_hooks.media_connector`) applies this policy there:
+
+* **schemes before any connection**: ``http(s)`` only for images and only with ``--guard-remote-media on``
+  (the host in ``--allowed-media-domains``, every address it resolves to public); ``file:`` only with
+  ``--allowed-local-media-path``; ``data:`` always; anything else refused;
+* **bytes and pixels before decoding**: an image (and each ``video/jpeg`` frame) at most ``max_image_mb``
+  decoded, its ``width x height`` read from its header at most ``max_image_pixels``, its aspect ratio at
+  most ``max_aspect_ratio``; a container video's frame size read from its header the same way;
+* **frame count**: a video decodes at most ``--guard-max-video-frames`` frames;
+* **per-request ``media_io_kwargs``**: only ``video.num_frames`` (1 to the frame bound) and ``video.fps``
+  (above 0, at most :data:`MAX_FPS`) may differ from the server's ``--media-io-kwargs``; anything else a
+  request sets (``video_backend``, ``num_frames: -1``, image options) is refused.
+
+Each refusal raises :class:`~server.api.media.MediaError` (a ``ValueError``: vLLM answers it 400 with its
+message). Pure functions and one probe of a video container's header (OpenCV, as vLLM's loader reads it).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import pybase64
+
+from server.api.media import MediaError, MediaLimits, check_image_bytes
+from server.api.remote_media import RemotePolicy, address_allowed
+from server.settings import GuardSettings
+
+#: The highest frame rate a request may ask a video to be sampled at.
+MAX_FPS = 60.0
+
+#: What a request may set in ``media_io_kwargs`` beyond the server's own values, by modality.
+REQUEST_IO_KEYS = {"video": ("num_frames", "fps")}
+
+
+def _refuse(message: str) -> MediaError:
+    return MediaError(HTTPStatus.BAD_REQUEST, message)
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What vLLM's media layer may load (see the module docstring).
+
+    Attributes:
+        limits: the door's media limits (bytes, pixels, aspect ratio, remote and local media).
+        remote: the remote-media host policy (used with ``limits.remote_media`` only).
+        max_video_frames: the most frames one video may decode.
+        server_io_kwargs: the server's ``--media-io-kwargs`` (modality -> kwargs): the operator's values.
+    """
+
+    limits: MediaLimits
+    remote: RemotePolicy
+    max_video_frames: int
+    server_io_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, settings: GuardSettings, args: Any) -> MediaPolicy:
+        """The policy of a server started with ``settings`` and vLLM's serve arguments ``args``."""
+        limits = MediaLimits(
+            max_image_bytes=int(settings.max_image_mb * 1024 * 1024),
+            max_image_pixels=settings.max_image_pixels,
+            max_aspect_ratio=settings.max_aspect_ratio,
+            remote_media=settings.remote_media,
+            local_media=bool(getattr(args, "allowed_local_media_path", None)),
+        )
+        hosts = frozenset(h.lower() for h in getattr(args, "allowed_media_domains", None) or ())
+        remote = RemotePolicy(allowed_hosts=hosts, timeout_s=settings.remote_media_timeout)
+        return cls(limits, remote, settings.max_video_frames, dict(getattr(args, "media_io_kwargs", None) or {}))
+
+    def check_url(self, modality: str, url: str) -> str:
+        """The URL's scheme (lower case), once ``modality``'s policy allows it; checked before any
+        connection or decoding.
+
+        Raises:
+            MediaError: remote media off (or not an image), ``file:`` without a local media path, or any
+                other scheme.
+        """
+        scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
+        if scheme in ("http", "https"):
+            if not self.limits.remote_media:
+                raise _refuse(f"{modality}: remote media URLs are refused on this server (--guard-remote-media off)")
+            if modality != "image":
+                raise _refuse(f"{modality}: only images are fetched from remote URLs")
+            return scheme
+        if scheme == "file" and not self.limits.local_media:
+            raise _refuse(f"{modality}: file URLs need --allowed-local-media-path")
+        if scheme not in ("data", "file"):
+            raise _refuse(
+                f"{modality}: URL scheme {scheme or '(none)'!r} is not allowed (data, or http(s) when enabled)"
+            )
+        return scheme
+
+    def check_addresses(self, host: str, addresses: list[str]) -> None:
+        """Refuse a remote host outside the allow-list, or one resolving to a non-public address.
+
+        Raises:
+            MediaError: 400.
+        """
+        host = host.lower()
+        if host not in self.remote.allowed_hosts:
+            raise _refuse(f"image: host {host!r} is not in --allowed-media-domains")
+        if not addresses or any(not address_allowed(host, a, self.remote) for a in addresses):
+            raise _refuse(f"image: {host!r} resolves to a non-public address")
+
+    def resolve_and_check(self, host: str, port: int) -> None:
+        """:meth:`check_addresses` on ``host``'s resolutions (blocking: run off the event loop).
+
+        Raises:
+            MediaError: 400 (cannot resolve, not allowed).
+        """
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            raise _refuse(f"image: cannot resolve {host!r}") from None
+        self.check_addresses(host, [str(info[4][0]) for info in infos])
+
+    def check_io_kwargs(self, merged: dict[str, dict[str, Any]] | None) -> None:
+        """Check a request's ``media_io_kwargs`` merged over the server's (what vLLM's connector gets).
+
+        Raises:
+            MediaError: a value the request set that is not allowed (see the module docstring).
+        """
+        for modality, kwargs in (merged or {}).items():
+            server = self.server_io_kwargs.get(modality) or {}
+            for key, value in (kwargs or {}).items():
+                if key in server and server[key] == value:
+                    continue  # the operator's own value
+                if key not in REQUEST_IO_KEYS.get(modality, ()):
+                    raise _refuse(f"media_io_kwargs.{modality}.{key} may not be set per request")
+                self._check_io_value(modality, key, value)
+
+    def _check_io_value(self, modality: str, key: str, value: Any) -> None:
+        if key == "num_frames":
+            if type(value) is not int or not 1 <= value <= self.max_video_frames:
+                raise _refuse(
+                    f"media_io_kwargs.{modality}.num_frames must be an integer from 1 to {self.max_video_frames}"
+                )
+        elif type(value) not in (int, float) or not (0 < value <= MAX_FPS and math.isfinite(value)):
+            raise _refuse(f"media_io_kwargs.{modality}.{key} must be a number above 0 and at most {MAX_FPS:g}")
+
+    def image_bytes(self, where: str, data: bytes) -> None:
+        """Check an encoded image (or video frame) before it is decoded.
+
+        Raises:
+            MediaError: too many bytes (413 at the door, 400 through vLLM), unreadable, too many pixels, too
+                elongated.
+        """
+        if len(data) > self.limits.max_image_bytes:
+            message = f"{where}: {len(data)} bytes, more than the limit of {self.limits.max_image_bytes}"
+            raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
+        check_image_bytes(where, data, self.limits)
+
+    def base64_payload(self, where: str, payload: str) -> bytes:
+        """Decode a base64 payload whose decoded size is within the image byte bound (checked first).
+
+        Raises:
+            MediaError: too large, or not base64.
+        """
+        if len(payload) * 3 // 4 > self.limits.max_image_bytes + 2:
+            raise _refuse(f"{where}: more than {self.limits.max_image_bytes} bytes")
+        try:
+            return pybase64.b64decode(payload, validate=True)
+        except ValueError:
+            raise _refuse(f"{where}: not valid base64") from None
+
+    def frames(self, where: str, count: int) -> None:
+        """Check that a video decodes at most the frame bound (``count``: the frames vLLM would decode).
+
+        Raises:
+            MediaError: more frames.
+        """
+        if count > self.max_video_frames:
+            raise _refuse(f"{where}: {count} frames, more than the limit of {self.max_video_frames}")
+
+    def video_container(self, where: str, data: bytes, num_frames: int) -> None:
+        """Check a container video (mp4, webm, ...) from its header before any frame is decoded: its frame
+        size against the pixel bound, the frames it would decode against the frame bound.
+
+        Raises:
+            MediaError: unreadable, frames too large, too many frames.
+        """
+        import io
+
+        import cv2
+
+        stream = io.BytesIO(data)  # referenced while the capture reads it
+        capture = cv2.VideoCapture(stream, cv2.CAP_FFMPEG, [])  # type: ignore[call-overload]
+        try:
+            if not capture.isOpened():
+                raise _refuse(f"{where}: not a readable video")
+            width = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
+            height = int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+            total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+        finally:
+            capture.release()
+        if width * height > self.limits.max_image_pixels:
+            raise _refuse(f"{where}: frames of {width}x{height} = {width * height} pixels, more than the limit of "
+                          f"{self.limits.max_image_pixels}")  # fmt: skip
+        self.frames(where, min(total, num_frames) if num_frames > 0 else total)

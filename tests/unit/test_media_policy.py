@@ -1,0 +1,113 @@
+"""The media policy vLLM's media layer applies (:mod:`server.api.media_policy`): schemes, hosts, bytes and
+pixels from headers, frames, per-request ``media_io_kwargs``."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from server.api.media import MediaError
+from server.api.media_policy import MediaPolicy
+from server.settings import GuardSettings
+from tests.helpers import png
+
+
+def policy(**settings: Any) -> MediaPolicy:
+    args = argparse.Namespace(allowed_media_domains=["media.example"], media_io_kwargs={"video": {"num_frames": 64}})
+    return MediaPolicy.of(GuardSettings(**settings), args)
+
+
+def mp4(width: int, height: int, frames: int) -> bytes:
+    import cv2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "v.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 10, (width, height))
+        for _ in range(frames):
+            writer.write(np.zeros((height, width, 3), np.uint8))
+        writer.release()
+        return Path(path).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("modality", "url", "words"),
+    [
+        ("image", "http://127.0.0.1/x.png", "remote media"),
+        ("image", "HTTPS://media.example/x.png", "remote media"),
+        ("image", "file:///etc/passwd", "allowed-local-media-path"),
+        ("image", "ftp://h/x", "'ftp'"),
+        ("image", "no-scheme", "(none)"),
+        ("video", "gopher://h/", "'gopher'"),
+    ],
+)
+def test_schemes_are_refused_before_any_connection(modality: str, url: str, words: str) -> None:
+    with pytest.raises(MediaError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        policy().check_url(modality, url)
+    assert policy().check_url("image", "data:image/png;base64,AAAA") == "data"
+
+
+def test_remote_images_only_with_remote_media_on_and_only_from_allowed_public_hosts() -> None:
+    on = policy(remote_media=True)
+    assert on.check_url("image", "https://media.example/x.png") == "https"
+    with pytest.raises(MediaError, match="only images"):
+        on.check_url("video", "https://media.example/v.mp4")
+    on.check_addresses("media.example", ["93.184.216.34"])
+    for host, addresses in (("other.example", ["93.184.216.34"]), ("media.example", ["127.0.0.1"]),
+                            ("media.example", ["10.0.0.1", "93.184.216.34"]), ("media.example", [])):  # fmt: skip
+        with pytest.raises(MediaError):
+            on.check_addresses(host, addresses)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "ok"),
+    [
+        ({"video": {"num_frames": 8}}, True),
+        ({"video": {"num_frames": 64}}, True),  # the operator's own value
+        ({"video": {"fps": 2}}, True),
+        ({"video": {"num_frames": -1}}, False),
+        ({"video": {"num_frames": 33}}, False),
+        ({"video": {"num_frames": True}}, False),
+        ({"video": {"fps": float("inf")}}, False),
+        ({"video": {"fps": 0}}, False),
+        ({"video": {"video_backend": "opencv_dynamic"}}, False),
+        ({"image": {"image_mode": "I;16"}}, False),
+        ({"audio": {"anything": 1}}, False),
+        (None, True),
+    ],
+)
+def test_per_request_media_io_kwargs(kwargs: Any, ok: bool) -> None:
+    if ok:
+        policy().check_io_kwargs(kwargs)
+    else:
+        with pytest.raises(MediaError, match="media_io_kwargs"):
+            policy().check_io_kwargs(kwargs)
+
+
+def test_images_are_checked_from_their_header_and_bytes() -> None:
+    p = policy(max_image_pixels=10_000, max_image_mb=0.01)
+    p.image_bytes("image", png(100, 100))
+    with pytest.raises(MediaError, match="10100 pixels"):
+        p.image_bytes("image", png(101, 100))
+    with pytest.raises(MediaError, match="more than the limit of 10485"):
+        p.image_bytes("image", b"\0" * 20_000)
+    with pytest.raises(MediaError, match="more than 10485 bytes"):
+        p.base64_payload("image", "A" * 20_000)
+    with pytest.raises(MediaError, match="not valid base64"):
+        p.base64_payload("image", "!!!!")
+
+
+def test_a_container_video_is_checked_from_its_header() -> None:
+    p = policy(max_image_pixels=64 * 48, max_video_frames=4)
+    p.video_container("video", mp4(64, 48, 3), num_frames=32)
+    p.video_container("video", mp4(64, 48, 10), num_frames=4)  # vLLM samples 4 of the 10
+    with pytest.raises(MediaError, match="10 frames, more than the limit of 4"):
+        p.video_container("video", mp4(64, 48, 10), num_frames=-1)
+    with pytest.raises(MediaError, match="frames of 80x48"):
+        p.video_container("video", mp4(80, 48, 2), num_frames=32)
+    with pytest.raises(MediaError, match="not a readable video"):
+        p.video_container("video", b"not a video at all", num_frames=32)
