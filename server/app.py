@@ -27,6 +27,7 @@ from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
 from server.api.media_policy import MediaPolicy
 from server.api.model_facts import poison_rules
 from server.api.request_fixes import install_completion_fixes
+from server.api.routes import flat_routes, served
 from server.api.transport import TransportMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
@@ -37,16 +38,31 @@ from server.vllm_hooks import media_connector
 logger = logging.getLogger(__name__)
 
 
-def _attach_openai_routes(app: FastAPI) -> None:
-    """vLLM's own routers for the generate task: models, chat completions, completions, responses."""
-    from vllm.entrypoints.openai.chat_completion.api_router import attach_router as attach_chat
-    from vllm.entrypoints.openai.completion.api_router import attach_router as attach_completion
-    from vllm.entrypoints.openai.models.api_router import attach_router as attach_models
-    from vllm.entrypoints.openai.responses.api_router import attach_router as attach_responses
-    from vllm.entrypoints.serve.tokenize.api_router import attach_router as attach_tokenize
+#: Stock routes vlguard answers with handlers of its own (server/api/health.py), or leaves to FastAPI.
+_OWN_ROUTES = frozenset(
+    {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
 
-    for attach in (attach_models, attach_chat, attach_completion, attach_responses, attach_tokenize):
-        attach(app)
+
+def _adopt_stock_routes(app: FastAPI, args: argparse.Namespace, tasks: Any, model_config: Any) -> list[str]:
+    """Serve every route of vLLM's own app (``build_app`` for these arguments, tasks and model) that vlguard
+    does not answer itself: a route a later vLLM adds is served (behind the transport, the door and its
+    route table, :mod:`server.api.routes`) without vlguard listing it. Returns ``METHOD path`` of each."""
+    from fastapi import APIRouter
+
+    from server.vllm_hooks.locations import vllm_symbol
+
+    stock = vllm_symbol("build_app")(args, tasks, model_config)
+    have = served(app.routes)
+    router = APIRouter()
+    adopted = []
+    for route in flat_routes(stock.routes):
+        if route.path in _OWN_ROUTES or all((method, route.path) in have for method in route.methods):
+            continue
+        router.routes.append(route)
+        adopted += [f"{method} {route.path}" for method in sorted(route.methods)]
+    app.include_router(router)
+    return adopted
 
 
 def _tokenizer(client: GuardedEngineClient) -> Any:
@@ -168,6 +184,8 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
             client = GuardedEngineClient(supervisor)
             tasks = await client.get_supported_tasks()
             await init_app_state(cast(Any, client), app.state, args, tasks)
+            adopted = _adopt_stock_routes(app, args, tasks, client.model_config)
+            logger.info("serving vLLM's routes: %s", ", ".join(adopted))
             if (completion := getattr(app.state, "openai_serving_completion", None)) is not None:
                 install_completion_fixes(completion)
             app.state.pixel_bounds = _pixel_bounds(client.model_config)
@@ -203,8 +221,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.item_limits = _item_limits_from_args(args)  # the engine's own once it is up
     app.root_path = args.root_path
     app.include_router(health_router)
-    app.include_router(admin_router)
-    _attach_openai_routes(app)
+    app.include_router(admin_router)  # vLLM's own routes are adopted once the engine is up (the lifespan)
     # Starlette puts each added middleware in front: on the way in, repeated headers, API key, CORS (as vllm
     # serve), input guard (limits, media), admission (engine ready).
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keys=len(_api_keys(args)))

@@ -15,12 +15,11 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.errors import guard_error_response
+from server.api.routes import is_generation
 from server.guard.clients import ClientRefusedError, client_key, current_client
 from server.guard.errors import EngineUnavailableError
 from server.guard.supervisor import EngineState, Supervisor
 from server.metrics import definitions as m
-
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def route_path(scope: Scope) -> str:
@@ -43,7 +42,7 @@ class AdmissionMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) in GENERATION_PATHS):
+        if not (scope["type"] == "http" and scope["method"] == "POST" and is_generation(route_path(scope))):
             await self.app(scope, receive, send)
             return
         client = client_key(scope, self.keys)

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Send
 
 from server.guard.engine_client import ENGINE_ENTERED
 from server.guard.errors import GuardError, raised_in
@@ -157,6 +158,40 @@ async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     if err.error.code >= 500:
         logger.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
     return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+
+def anthropic_client_errors(send: Send) -> Send:
+    """``send`` for vLLM's Anthropic routes (``/v1/messages``...), which answer every exception 500
+    (``internal_error``), a client's bad input included (an image the media policy refused): an error
+    raised before the request reached the engine client is the client's, 400 ``invalid_request_error``
+    (Anthropic's envelope kept). Anything else passes unchanged."""
+    held: list[Message] = []
+    body = bytearray()
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] == 500 and not ENGINE_ENTERED.get():
+            held.append(message)
+            return
+        if not held or message["type"] != "http.response.body":
+            await send(message)
+            return
+        body.extend(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        start, data = held.pop(), bytes(body)
+        try:
+            answer = json.loads(data)
+            if answer["error"]["type"] == "internal_error":
+                answer["error"]["type"] = "invalid_request_error"
+                data, start = json.dumps(answer).encode(), {**start, "status": 400}
+                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                start["headers"] = [*headers, (b"content-length", str(len(data)).encode())]
+        except (ValueError, KeyError, TypeError):
+            pass
+        await send(start)
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    return wrapped
 
 
 #: How vLLM's multimodal processor says the rendered prompt lost an item's placeholder (an assertion).

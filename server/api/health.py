@@ -24,8 +24,10 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.api_route("/ping", methods=["GET", "POST"])
 async def health(supervisor: SupervisorDep) -> JSONResponse:
-    """Liveness: ``{"status": "alive"|"failed", "engine": <state>}``; 503 only when FAILED."""
+    """Liveness: ``{"status": "alive"|"failed", "engine": <state>}``; 503 only when FAILED. Also SageMaker's
+    ``/ping`` (stock vLLM answers it as its ``/health``)."""
     failed = supervisor.state is EngineState.FAILED
     return JSONResponse(
         {"status": "failed" if failed else "alive", "engine": supervisor.state.value},

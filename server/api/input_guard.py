@@ -1,8 +1,9 @@
 """Refuse bad or excessive generation requests at the door (pure ASGI middleware).
 
-For ``POST`` to the generation routes and ``/tokenize`` (paths compared without ``--root-path``), before
-vLLM sees the request (any other ``POST`` path gets **404** unless it is known to take no media or prompt,
-:data:`UNCHECKED_POSTS`, such as ``/detokenize``: deny by default; those get step 1 and 2 only):
+For every ``POST``, by its route's kind (:mod:`server.api.routes`; paths compared without ``--root-path``),
+before vLLM sees the request: a route not classified there, or refused, gets **404** (deny by default);
+routes that take no prompt or media (``/detokenize``) get steps 1 and 2 only; input routes (``/tokenize``,
+render) all but step 3:
 
 1. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
    more gets **413**; a body that has not arrived within ``body_timeout`` seconds gets **408**. The
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -41,9 +41,9 @@ from typing import Any
 import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.admission import GENERATION_PATHS, route_path
+from server.api.admission import route_path
 from server.api.decode_pool import DecodePool
-from server.api.errors import RETRY_AFTER_S, error_response
+from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_response
 from server.api.media import (
     MediaError,
     MediaLimits,
@@ -57,21 +57,13 @@ from server.api.media import (
 )
 from server.api.poison import PoisonRules, check_constraint, check_known_poison
 from server.api.remote_media import RemotePolicy, inline_remote_media
+from server.api.routes import RouteKind, post_kind
 from server.guard.clients import client_key
 from server.guard.engine_client import ENGINE_ENTERED
 from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
 from server.vllm_hooks.locations import upstream_image_rules
-
-#: Routes whose bodies are checked: generation, and ``/tokenize`` (it runs the image processor in this
-#: process, so its media and ``mm_processor_kwargs`` need the same checks).
-CHECKED_PATHS = (*GENERATION_PATHS, "/tokenize")
-
-#: POST routes of vLLM's routers that take no messages, prompts or media: nothing for the guard to check.
-#: Every other POST path is refused with 404 (deny by default: vLLM's ``/v1/chat/completions/batch`` took
-#: messages past every check; a route a new vLLM adds stays closed until the guard knows it).
-UNCHECKED_POSTS = re.compile(r"/detokenize|/v1/responses/[^/]+/cancel")
 
 #: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); images
 #: to normalise are decoded and re-encoded in the door's decode pool whatever the body's size.
@@ -166,14 +158,16 @@ class InputGuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        if path not in CHECKED_PATHS and not UNCHECKED_POSTS.fullmatch(path):
-            message = f"POST {path} is not served: vlguard's input guard does not check this route"
-            await self._refuse(scope, receive, send, HTTPStatus.NOT_FOUND, message, "route")
+        found = post_kind(path)
+        if found is None or found[0] is RouteKind.REFUSED:
+            why = found[1] if found is not None else "vlguard's input guard does not know this route"
+            await self._refuse(scope, receive, send, HTTPStatus.NOT_FOUND, f"POST {path} is not served: {why}", "route")
             return
+        kind = found[0]
         held = [0]  # bytes this request holds of the body budget
         who = client_key(scope, self.keys)
         try:  # every body is bounded (size, time, budget, the client's share); only inputs are checked
-            await self._admit(scope, receive, send, held, who, checked=path in CHECKED_PATHS)
+            await self._admit(scope, receive, send, held, who, kind)
         finally:
             self.body_bytes -= held[0]
             if who and (left := self.client_bytes.pop(who, 0) - held[0]) > 0:
@@ -219,7 +213,7 @@ class InputGuardMiddleware:
         await self._refuse(scope, receive, send, status, message, "memory", headers)
 
     async def _admit(
-        self, scope: Scope, receive: Receive, send: Send, held: list[int], who: str, checked: bool = True
+        self, scope: Scope, receive: Receive, send: Send, held: list[int], who: str, kind: RouteKind
     ) -> None:
         too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self._largest(who)} bytes"
         declared = dict(scope.get("headers") or []).get(b"content-length")
@@ -268,13 +262,14 @@ class InputGuardMiddleware:
             return
         self.active += 1
         try:
-            await self._serve(scope, receive, send, raw, checked)
+            await self._serve(scope, receive, send, raw, kind)
         finally:
             self.active -= 1
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, checked: bool = True) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind) -> None:
         try:
-            rewritten = await self._check(raw, generation=route_path(scope) in GENERATION_PATHS) if checked else None
+            checked = kind is not RouteKind.NO_INPUT
+            rewritten = await self._check(raw, generation=kind is RouteKind.GENERATION) if checked else None
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
@@ -295,6 +290,8 @@ class InputGuardMiddleware:
                 return {"type": "http.request", "body": raw, "more_body": False}
             return await receive()  # then wait for the disconnect, as the server would
 
+        if route_path(scope).startswith("/v1/messages"):  # vLLM's Anthropic routes answer every error 500
+            send = anthropic_client_errors(send)
         await self.app(scope, replay, send)
 
     async def _check(self, raw: bytes, generation: bool = True) -> bytes | None:
