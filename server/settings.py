@@ -52,6 +52,10 @@ class GuardSettings(BaseSettings):
     request nor turn /ready 503. Clients without an identity (loopback: behind a proxy on the host, which
     keeps its own per-source limits) share the whole budget."""
 
+    max_json_items: int = Field(default=1_000_000, ge=1000)
+    """Most values (array items and object members, counted by their commas) one request body may hold;
+    more gets 413 before it is parsed. A prompt of token ids needs one per token; an image is one."""
+
     body_timeout: float = Field(default=30.0, gt=0)
     """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
     ``max_inflight`` slots only once its body has arrived, so stalled uploads cannot fill them."""

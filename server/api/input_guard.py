@@ -36,7 +36,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NamedTuple
 
 import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,6 +45,7 @@ from server.api.admission import route_path
 from server.api.decode_pool import DecodePool
 from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_response
 from server.api.media import (
+    MediaCheck,
     MediaError,
     MediaLimits,
     PendingImage,
@@ -55,7 +56,7 @@ from server.api.media import (
     normalized_image,
     strip_client_uuids,
 )
-from server.api.poison import PoisonRules, check_constraint, check_known_poison
+from server.api.poison import PoisonRules, check_constraint, check_known_poison, check_prompt_length
 from server.api.remote_media import RemotePolicy, inline_remote_media
 from server.api.routes import RouteKind, post_kind
 from server.guard.clients import client_key
@@ -73,25 +74,43 @@ _OFFLOAD_BYTES = 1 << 20
 _MALFORMED = object()
 
 
+def _no_constant(name: str) -> Any:
+    raise MediaError(
+        HTTPStatus.BAD_REQUEST, f"request body: {name} is not a finite JSON number and is not accepted", "poison"
+    )
+
+
 def _parse_json(raw: bytes) -> Any:
     """The request body parsed, or :data:`_MALFORMED`. pydantic's JSON parser first (~5x the standard
-    library's on a body with an image, and on the event loop every request pays it); what it refuses
-    (depth over its limit of 200, lone surrogates, a byte-order mark, UTF-16 or UTF-32, malformed JSON)
-    is parsed again by ``json``, whose result vLLM's own parser would see.
+    library's on a body with an image), refusing ``NaN`` and ``Infinity`` while it parses; what it refuses
+    (those, depth over its limit of 200, lone surrogates, a byte-order mark, UTF-16 or UTF-32, malformed
+    JSON) is parsed again by ``json``, whose result vLLM's own parser would see.
 
     Raises:
-        MediaError: 400 for JSON nested too deeply for ``json`` (FastAPI's parser would answer 500).
+        MediaError: 400 for ``NaN``/``Infinity`` (vLLM's parser takes them; the engine faults on some), and
+            for JSON nested too deeply for ``json`` (FastAPI's parser would answer 500).
     """
     try:
-        return pydantic_core.from_json(raw)
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError:
         pass
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_no_constant)
+    except MediaError:
+        raise
     except ValueError:
         return _MALFORMED
     except RecursionError:
         raise MediaError(HTTPStatus.BAD_REQUEST, "request body: JSON nested too deeply", "body") from None
+
+
+class _Inspected(NamedTuple):
+    """What the door's synchronous checks of a body found (:meth:`InputGuardMiddleware._inspect`)."""
+
+    body: dict[str, Any] | None  # None: not JSON (vLLM answers it)
+    changed: bool  # client uuids dropped
+    constraint: dict[str, Any] | None  # the structured-output constraint to compile
+    media: MediaCheck | None
 
 
 class InputGuardMiddleware:
@@ -151,6 +170,7 @@ class InputGuardMiddleware:
         self.client_bytes: dict[str, int] = {}  # client identity -> bytes its bodies hold now
         self.engine_ready = engine_ready
         self.body_timeout = settings.body_timeout
+        self.max_json_items = settings.max_json_items
         expose(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -294,12 +314,19 @@ class InputGuardMiddleware:
             send = anthropic_client_errors(send)
         await self.app(scope, replay, send)
 
-    async def _check(self, raw: bytes, generation: bool = True) -> bytes | None:
-        """Check the body's known poison (generation routes) and media; returns the rewritten body when
-        anything was changed, else None."""
+    def _inspect(self, raw: bytes, generation: bool) -> _Inspected:
+        """Parse the body once and run every check that needs no waiting (blocking: O(body); a large body's
+        run off the event loop): uuids dropped, media counted, known poison, media headers.
+
+        Raises:
+            MediaError: the refusal.
+        """
+        if raw.count(b",") > self.max_json_items:  # C speed, before parsing: a bound on values of any kind
+            message = f"request body holds more than {self.max_json_items} JSON values"
+            raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")
         body = _parse_json(raw)
         if body is _MALFORMED:
-            return None  # vLLM answers malformed JSON with its own 400
+            return _Inspected(None, False, None, None)  # vLLM answers malformed JSON with its own 400
         if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
             message = f"request body must be a JSON object, not {type(body).__name__}"
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
@@ -308,25 +335,36 @@ class InputGuardMiddleware:
         bounds, items = self.pixel_bounds(), self.item_limits()
         if items is not None:  # before any other work: more items than allowed are refused at once
             count_items(body, items)
-        if generation:
-            rules = self.poison_rules()
-            if (constraint := check_known_poison(body, rules)) is not None:
-                await asyncio.to_thread(check_constraint, constraint, rules)
-        # Header-level checks on the event loop (under a millisecond an image: a hop to a thread and back
-        # cost more under load, when the loop is busy); off it when the body is large (base64 decoding).
-        # Pixels are decoded only in the decode pool, once everything else passed.
+        rules = self.poison_rules()
+        check_prompt_length(body, rules)  # before anything tokenizes it (the door's own walks are bounded too)
+        constraint = check_known_poison(body, rules) if generation else None
+        return _Inspected(body, stripped > 0, constraint, check_media(body, self.limits, bounds))
+
+    async def _check(self, raw: bytes, generation: bool = True) -> bytes | None:
+        """Check the body's known poison (generation routes) and media; returns the rewritten body when
+        anything was changed, else None. A body above :data:`_OFFLOAD_BYTES` is parsed and checked off the
+        event loop (other requests, /health and streams keep it)."""
         if len(raw) > _OFFLOAD_BYTES:
-            checked = await asyncio.to_thread(check_media, body, self.limits, bounds)
-        else:
-            checked = check_media(body, self.limits, bounds)
-        pending = list(checked.pending)
+            found = await asyncio.to_thread(self._inspect, raw, generation)
+        else:  # under a millisecond: a hop to a thread and back cost more under load, when the loop is busy
+            found = self._inspect(raw, generation)
+        if found.body is None or found.media is None:
+            return None
+        body = found.body
+        if found.constraint is not None:
+            await asyncio.to_thread(check_constraint, found.constraint, self.poison_rules())
+        # Pixels are decoded only in the decode pool, once everything else passed.
+        pending = list(found.media.pending)
         fetched = 0
         if self.limits.remote_media:
             fetched, remote_pending = await inline_remote_media(body, self.limits, self.remote)
             pending += remote_pending
         normalized = await self._normalize(pending)
-        changed = stripped > 0 or normalized > 0 or fetched > 0
-        return json.dumps(body).encode() if changed else None
+        if not (found.changed or normalized > 0 or fetched > 0):
+            return None
+        if len(raw) > _OFFLOAD_BYTES:
+            return await asyncio.to_thread(lambda: json.dumps(body).encode())
+        return json.dumps(body).encode()
 
     async def _normalize(self, pending: list[PendingImage]) -> int:
         """Normalise ``pending`` images in the decode pool (together, each taking its pixels from the

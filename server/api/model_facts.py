@@ -56,4 +56,20 @@ def poison_rules(model_config: Any, vllm_config: Any, tokenizer: Any) -> PoisonR
         vocab_size=vocab_size,
         placeholders=placeholder_tokens(model_config.hf_config, tokenizer),
         compile_constraint=structured_output.xgrammar_compiler(vllm_config, tokenizer, vocab_size),
+        max_prompt_chars=max_prompt_chars(int(model_config.max_model_len), tokenizer),
     )
+
+
+def max_prompt_chars(max_model_len: int, tokenizer: Any) -> int | None:
+    """``max_model_len`` times the longest token in characters, for a byte-level BPE tokenizer (Qwen's: every
+    byte of any text is covered by tokens, a token's string holds a character per byte, so no token covers
+    more characters of text than its string is long). None for other tokenizers (a WordPiece ``[UNK]`` may
+    cover a whole word) or when the tokenizer lists no vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if "ByteLevel" not in repr(getattr(backend, "pre_tokenizer", None)):
+        return None
+    try:
+        longest = max(map(len, tokenizer.get_vocab()))
+    except Exception:  # a tokenizer without a vocabulary listing (a Mistral tokenizer, say)
+        return None
+    return max_model_len * max(longest, 1)

@@ -5,8 +5,10 @@ The rules read the parsed JSON body of a generation request (``/v1/chat/completi
 ``/v1/completions``, ``/v1/responses``) and the served model's facts (:class:`PoisonRules`, known once
 the engine is up):
 
-- non-finite numbers (``NaN``, ``Infinity``: Python's JSON reader takes them) anywhere in the body:
-  sampling with a NaN temperature or penalty gave garbage, slowly;
+- non-finite numbers anywhere in the body: ``NaN`` and ``Infinity`` are refused while the door parses
+  (:func:`server.api.input_guard._parse_json`; Python's JSON reader takes them), a literal that overflows to
+  infinity (``1e999``) by :func:`check_numbers`: sampling with a NaN temperature or penalty gave garbage,
+  slowly;
 - ``structured_outputs`` with no usable constraint (``json_object: false``, ``json: ""``, an empty
   ``regex``/``grammar``/``structural_tag``, ``choice: []``): the engine core's grammar compiler raised
   inside ``schedule()`` and the engine died (the fault class of vllm#43920, fixed by vllm PR #47312);
@@ -50,11 +52,52 @@ class PoisonRules:
         placeholders: the tokenizer's multimodal placeholder strings (``<|image_pad|>``, ...).
         compile_constraint: checks a structured-output constraint with the engine's backend; None: not
             checked (a backend vlguard does not know).
+        max_prompt_chars: ``max_model_len`` times the longest token's length in characters: a prompt whose
+            text is longer cannot fit in the context (every token covers at most that many characters), so
+            it is refused before it is tokenized. None: not known.
     """
 
     vocab_size: int
     placeholders: tuple[str, ...] = ()
     compile_constraint: ConstraintCompiler | None = None
+    max_prompt_chars: int | None = None
+
+
+#: Keys whose string values (and lists of strings) are prompt text, in every request shape of vLLM's routes.
+TEXT_KEYS = frozenset({"prompt", "text", "content", "input", "system", "instructions"})
+
+
+def text_chars(body: dict[str, Any]) -> int:
+    """Characters of prompt text in ``body``: strings under :data:`TEXT_KEYS`, at any depth (iterative: a
+    deep body cannot exhaust the stack)."""
+    total = 0
+    stack: list[tuple[Any, bool]] = [(body, False)]
+    while stack:
+        value, is_text = stack.pop()
+        if isinstance(value, str):
+            total += len(value) if is_text else 0
+        elif isinstance(value, dict):
+            stack += [(item, key in TEXT_KEYS) for key, item in value.items()]
+        elif isinstance(value, list):
+            stack += [(item, is_text) for item in value]
+    return total
+
+
+def check_prompt_length(body: dict[str, Any], rules: PoisonRules | None) -> None:
+    """Refuse a prompt whose text cannot fit the model's context, before anything tokenizes it.
+
+    Raises:
+        MediaError: 400 naming the length and the bound.
+    """
+    if rules is None or rules.max_prompt_chars is None:
+        return
+    if (chars := text_chars(body)) > rules.max_prompt_chars:
+        raise MediaError(
+            HTTPStatus.BAD_REQUEST,
+            f"prompt text of {chars} characters cannot fit the model's context (at most {rules.max_prompt_chars} "
+            "characters: max_model_len tokens of the longest token's length)",
+            reason="prompt_too_long",
+        )
 
 
 def _refuse(message: str) -> MediaError:

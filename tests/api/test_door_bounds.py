@@ -162,3 +162,68 @@ async def test_remote_fetches_are_counted_first_and_cancelled_together(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
     good = chat_body(api.model, photo_uri("astronaut.png"))
     assert (await api.client.post("/v1/chat/completions", json=good)).status_code == 200
+
+
+async def test_a_prompt_far_beyond_the_context_is_refused_before_it_is_tokenized(api: Api) -> None:
+    """#44: a 30 MB prompt ran vLLM's tokenizer for 46-66 s (one thread: every generation waited behind it).
+    Text longer than max_model_len tokens of the longest token's length cannot fit: refused at the door, on
+    /tokenize and the generation routes alike, at once."""
+    import time
+
+    rules = api.app.state.poison_rules
+    assert rules.max_prompt_chars is not None
+    text = "a" * (rules.max_prompt_chars + 1)
+    for path, body in (
+        ("/tokenize", {"model": api.model, "prompt": text}),
+        ("/v1/completions", {"model": api.model, "prompt": [text], "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"model": api.model, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]},
+        ),
+        ("/v1/responses", {"model": api.model, "input": text}),
+    ):
+        started = time.monotonic()
+        resp = await api.client.post(path, json=body)
+        assert resp.status_code == 400 and "cannot fit the model's context" in resp.json()["error"]["message"], path
+        assert time.monotonic() - started < 1.0, path
+    fits = {"model": api.model, "prompt": "a" * 1000}
+    assert (await api.client.post("/tokenize", json=fits)).status_code == 200
+
+
+async def test_a_body_of_too_many_values_is_refused_before_it_is_parsed(api: Api) -> None:
+    body = b'{"model": "m", "messages": [], "unused": [' + b"0," * 1_000_001 + b"0]}"
+    resp = await api.client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and "JSON values" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+async def test_non_finite_constants_are_refused_while_parsing(api: Api, constant: str) -> None:
+    body = f'{{"model": "{api.model}", "prompt": "hi", "max_tokens": 1, "temperature": {constant}}}'.encode()
+    resp = await api.client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "not a finite JSON number" in resp.json()["error"]["message"]
+
+
+async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
+    """#44: a 47-57 MB body held the event loop 10-18 s (/health waited that long), 12 s of it the door's own
+    walk; a 30 MB /tokenize prompt ran the tokenizer 46-66 s. With both in flight, /health answers within 1 s
+    each time (the door counts values before parsing, parses and checks large bodies off the loop, and
+    refuses text that cannot fit before tokenizing it)."""
+    numbers = b'{"model": "m", "messages": [], "unused": [' + b"1," * 25_000_000 + b"1]}"
+    text = {"model": api.model, "prompt": "word " * 6_000_000}  # 30 MB
+    big_string = {"model": api.model, "prompt": "hi", "max_tokens": 1, "user": "x" * 50_000_000}
+    json_headers = {"content-type": "application/json"}
+    heavy = [
+        asyncio.create_task(api.client.post("/v1/chat/completions", content=numbers, headers=json_headers)),
+        asyncio.create_task(api.client.post("/tokenize", json=text)),
+        asyncio.create_task(api.client.post("/v1/completions", json=big_string)),
+    ]
+    worst = 0.0
+    while not all(task.done() for task in heavy):
+        started = time.monotonic()
+        assert (await api.client.get("/health")).status_code == 200
+        worst = max(worst, time.monotonic() - started)
+        await asyncio.sleep(0.05)
+    statuses = [(await task).status_code for task in heavy]
+    assert statuses[:2] == [413, 400], statuses
+    assert statuses[2] < 500, statuses
+    assert worst < 1.0, f"/health waited {worst:.2f} s"

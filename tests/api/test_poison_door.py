@@ -35,6 +35,9 @@ async def test_known_poison_is_refused_before_the_engine(api: Api, case: str) ->
 async def test_a_non_finite_sampling_value_is_refused(api: Api) -> None:
     raw = json.dumps(text_chat(api.model))[:-1] + ', "temperature": NaN}'
     resp = await api.client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "NaN is not a finite JSON number" in resp.json()["error"]["message"]
+    raw = json.dumps(text_chat(api.model))[:-1] + ', "temperature": 1e999}'  # overflows to inf when parsed
+    resp = await api.client.post(CHAT, content=raw, headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["message"].startswith("temperature: must be a finite")
 
 
