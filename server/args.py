@@ -9,7 +9,10 @@ engine flag behave exactly as under ``vllm serve``), plus one ``--guard-<name>``
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, Any
+
+from server import front_flags
 
 if TYPE_CHECKING:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -88,17 +91,32 @@ def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettin
         argv: the arguments after the program name, starting with ``serve``.
 
     Raises:
-        SystemExit: unknown flag or bad value (argparse prints the usage).
+        SystemExit: unknown flag or bad value (argparse prints the usage); status 2 for a front-end flag
+            vlguard cannot honour yet (:mod:`server.front_flags`, each named on stderr).
         pydantic.ValidationError: a guard setting is invalid.
     """
     from server.vllm_hooks.locations import vllm_symbol
 
     validate_parsed_serve_args = vllm_symbol("validate_parsed_serve_args")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     validate_parsed_serve_args(args)
+    if lines := front_flags.refused(args, serve_parser(parser)):  # never accepted and dropped
+        for line in lines:
+            print(f"vlguard serve: {line}", file=sys.stderr)
+        raise SystemExit(2)
     return args, guard_settings(args)
+
+
+def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand's parser inside :func:`build_parser`'s."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices["serve"]
+            return found
+    raise LookupError("no serve subcommand")
 
 
 def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[str, Any]:

@@ -127,3 +127,13 @@ async def test_every_body_route_needs_the_key_before_its_body(make_api: Any) -> 
 async def test_internal_routes_are_refused_at_the_door(api: Api, path: str) -> None:
     resp = await api.client.post(path, json={})
     assert resp.status_code == 404 and "not served" in resp.json()["error"]["message"]
+
+
+async def test_server_load_tracking_works_as_stock(make_api: Any) -> None:
+    """``--enable-server-load-tracking``: vLLM's own ``/load`` route and its counting, as stock serves them."""
+    api = await make_api("--enable-server-load-tracking")
+    resp = await api.client.get("/load")
+    assert resp.status_code == 200 and resp.json() == {"server_load": 0}, resp.text[:200]
+    body = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await api.client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert (await api.client.get("/load")).json() == {"server_load": 0}  # counted in, then out

@@ -1,0 +1,43 @@
+"""#46 (part): every front-end flag of this lane's ``vllm serve`` parser is classified (honoured by vLLM's
+serving layer or routes as vlguard builds them, honoured by vlguard, or refused at start); a flag vlguard
+cannot honour is refused at start with its name and why, never accepted and dropped."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.args import build_parser, resolve_serve_args, serve_parser
+from server.front_flags import FRONT_FLAGS, FlagKind, front_end_dests
+
+
+def test_every_front_end_flag_of_this_vllm_is_classified() -> None:
+    unclassified = [d for d in front_end_dests(serve_parser(build_parser())) if d not in FRONT_FLAGS]
+    assert unclassified == [], "classify them in server/front_flags.py"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--api-server-count", "2"],
+        ["--headless"],
+        ["--middleware", "no.such.module.Middleware"],
+        ["--enable-request-id-headers"],
+        ["--ssl-ciphers", "ECDHE-RSA-AES128-GCM-SHA256"],
+        ["--enable-offline-docs"],
+        ["--tool-parser-plugin", "/tmp/plugin.py"],
+        ["--disable-access-log-for-endpoints", "/health"],
+    ],
+)
+def test_a_flag_vlguard_cannot_honour_is_refused_at_start(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        resolve_serve_args(["serve", "m", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"vlguard serve: {flags[0]}" in err and ":" in err.split(flags[0], 1)[1]
+
+
+def test_honoured_and_default_flags_start() -> None:
+    args, _ = resolve_serve_args(["serve", "m", "--api-server-count", "1", "--enable-server-load-tracking",
+                                  "--allowed-origins", '["https://a.example"]', "--root-path", "/x"])  # fmt: skip
+    assert args.enable_server_load_tracking and args.root_path == "/x"
+    assert all(kind in FlagKind for kind, _ in FRONT_FLAGS.values())
