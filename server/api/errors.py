@@ -205,8 +205,9 @@ async def _on_assertion(request: Request, exc: Exception) -> JSONResponse:
     if str(exc).startswith(_PLACEHOLDER_LOST):
         return error_response(
             HTTPStatus.BAD_REQUEST,
-            "The prompt no longer holds the placeholder of every image or video after rendering "
-            "(truncate_prompt_tokens below the media's tokens?): keep the media inside the prompt",
+            "The prompt no longer holds the placeholder of every image or video after rendering: "
+            "truncate_prompt_tokens below the media's tokens, or media where the chat template renders none "
+            "(an image in a tool output): keep the media inside the prompt",
             param="truncate_prompt_tokens",
         )
     return await _on_other(request, exc)

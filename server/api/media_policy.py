@@ -5,8 +5,9 @@ keeps media out: vLLM loads every media item of every route and part shape (chat
 items and tool outputs, render, ``/tokenize``, shapes a later vLLM adds) through its media connector, and
 vlguard's connector (:mod:`server.vllm_hooks.media_connector`) applies this policy there:
 
-* **schemes before any connection**: ``http(s)`` only for images and only with ``--guard-remote-media on``
-  (the host in ``--allowed-media-domains``, every address it resolves to public); ``file:`` only with
+* **schemes before any connection**: ``http(s)`` only for images and only with ``--guard-remote-media on``,
+  fetched by vlguard (each redirect hop's host in ``--allowed-media-domains`` and every address it resolves
+  to public, the bytes bounded while they arrive); ``file:`` only with
   ``--allowed-local-media-path``; ``data:`` always; anything else refused;
 * **bytes and pixels before decoding**: an image (and each ``video/jpeg`` frame) at most ``max_image_mb``
   decoded, its ``width x height`` read from its header at most ``max_image_pixels``, its aspect ratio at
@@ -23,7 +24,6 @@ message). Pure functions and one probe of a video container's header (OpenCV, as
 from __future__ import annotations
 
 import math
-import socket
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -31,7 +31,7 @@ from typing import Any
 import pybase64
 
 from server.api.media import MediaError, MediaLimits, check_image_bytes
-from server.api.remote_media import RemotePolicy, address_allowed
+from server.api.remote_media import RemotePolicy, fetch_bytes
 from server.settings import GuardSettings
 
 #: The highest frame rate a request may ask a video to be sampled at.
@@ -83,7 +83,11 @@ class MediaPolicy:
             MediaError: remote media off (or not an image), ``file:`` without a local media path, or any
                 other scheme.
         """
-        scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
+        if url != url.strip():
+            raise _refuse(f"{modality}: URL has surrounding whitespace")
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data" and not url.partition(",")[0].lower().endswith(";base64"):
+            raise _refuse(f"{modality}: a data URL must be data:<type>;base64,<data>")
         if scheme in ("http", "https"):
             if not self.limits.remote_media:
                 raise _refuse(f"{modality}: remote media URLs are refused on this server (--guard-remote-media off)")
@@ -98,29 +102,15 @@ class MediaPolicy:
             )
         return scheme
 
-    def check_addresses(self, host: str, addresses: list[str]) -> None:
-        """Refuse a remote host outside the allow-list, or one resolving to a non-public address.
+    async def fetch(self, url: str) -> bytes:
+        """A remote image's bytes, fetched by vlguard (:func:`server.api.remote_media.fetch_bytes`: each
+        redirect hop's host and addresses checked, at most ``max_image_mb`` read, within the timeout),
+        never by vLLM's own fetch (which follows redirects unchecked and reads any size).
 
         Raises:
-            MediaError: 400.
+            MediaError: as ``fetch_bytes``.
         """
-        host = host.lower()
-        if host not in self.remote.allowed_hosts:
-            raise _refuse(f"image: host {host!r} is not in --allowed-media-domains")
-        if not addresses or any(not address_allowed(host, a, self.remote) for a in addresses):
-            raise _refuse(f"image: {host!r} resolves to a non-public address")
-
-    def resolve_and_check(self, host: str, port: int) -> None:
-        """:meth:`check_addresses` on ``host``'s resolutions (blocking: run off the event loop).
-
-        Raises:
-            MediaError: 400 (cannot resolve, not allowed).
-        """
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError:
-            raise _refuse(f"image: cannot resolve {host!r}") from None
-        self.check_addresses(host, [str(info[4][0]) for info in infos])
+        return await fetch_bytes("image", url, self.limits.max_image_bytes, self.remote)
 
     def check_io_kwargs(self, merged: dict[str, dict[str, Any]] | None) -> None:
         """Check a request's ``media_io_kwargs`` merged over the server's (what vLLM's connector gets).

@@ -100,29 +100,39 @@ async def _download(where: str, url: str, client: httpx.AsyncClient, policy: Rem
     raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: more than {MAX_REDIRECTS} redirects")
 
 
-async def fetch_image(part: MediaPart, limits: MediaLimits, policy: RemotePolicy) -> PendingImage | None:
-    """Fetch one image URL under ``policy``, check it as a ``data:`` image is checked (header and
-    checksums, no pixel decoding) and put it in ``part`` as a ``data:`` URI.
-
-    Returns:
-        the image as a :class:`PendingImage` when a normalisation rule applies to it (the door normalises
-        it in its decode pool), else None.
+async def fetch_bytes(where: str, url: str, max_bytes: int, policy: RemotePolicy) -> bytes:
+    """Fetch ``url`` under ``policy``: every hop's host allow-listed and its addresses public, redirects
+    followed by hand, at most ``max_bytes`` read, the whole fetch within ``policy.timeout_s``.
 
     Raises:
-        MediaError: 400 (policy, HTTP error, connection failure, unreadable image: the message names the
-            failure's kind, not its details), 413 (too large), 504 (slower than ``policy.timeout_s``).
+        MediaError: 400 (policy, HTTP error, connection failure: the message names the failure's kind, not
+            its details), 413 (too large), 504 (slower than ``policy.timeout_s``).
     """
-    where = part.where
     try:
         async with asyncio.timeout(policy.timeout_s):
             async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
-                data = await _download(where, part.url, client, policy, limits.max_image_bytes)
+                return await _download(where, url, client, policy, max_bytes)
     except TimeoutError:
         raise MediaError(
             HTTPStatus.GATEWAY_TIMEOUT, f"{where}: fetching the media took longer than {policy.timeout_s:g} s"
         ) from None
     except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: fetching the media failed ({type(exc).__name__})") from None
+
+
+async def fetch_image(part: MediaPart, limits: MediaLimits, policy: RemotePolicy) -> PendingImage | None:
+    """Fetch one image URL under ``policy`` (:func:`fetch_bytes`), check it as a ``data:`` image is checked
+    (header and checksums, no pixel decoding) and put it in ``part`` as a ``data:`` URI.
+
+    Returns:
+        the image as a :class:`PendingImage` when a normalisation rule applies to it (the door normalises
+        it in its decode pool), else None.
+
+    Raises:
+        MediaError: as :func:`fetch_bytes`, and 400 for an unreadable image.
+    """
+    where = part.where
+    data = await fetch_bytes(where, part.url, limits.max_image_bytes, policy)
     header = await asyncio.to_thread(check_image_bytes, where, data, limits, True)  # a 20 MB PNG's checksums
     part.replace(data_uri(header.mime, data))
     return PendingImage(part, data, header.pixels) if header.rules else None

@@ -6,7 +6,8 @@ Every media item vLLM's front end loads (any route, any part or item shape) goes
 :class:`~server.api.media_policy.MediaPolicy` before vLLM does anything with a URL:
 
 * the request's ``media_io_kwargs`` (merged over the server's) when the connector is built;
-* the URL's scheme (and, for a remote image, its host and addresses) before any connection;
+* the URL's scheme before any connection; a remote image (remote media on) is fetched by vlguard's own
+  fetcher (each redirect hop checked, the bytes bounded as they arrive), never by vLLM's;
 * the bytes of each image, each ``video/jpeg`` frame and each container video before they are decoded
   (the media IO object vLLM hands to its loaders is wrapped).
 
@@ -23,7 +24,6 @@ import asyncio
 import os
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from server.vllm_hooks.locations import wrap_item_trackers
 
@@ -37,7 +37,7 @@ class MediaPolicy(Protocol):
 
     def check_io_kwargs(self, merged: dict[str, dict[str, Any]] | None) -> None: ...
     def check_url(self, modality: str, url: str) -> str: ...
-    def resolve_and_check(self, host: str, port: int) -> None: ...
+    async def fetch(self, url: str) -> bytes: ...
     def image_bytes(self, where: str, data: bytes) -> None: ...
     def base64_payload(self, where: str, payload: str) -> bytes: ...
     def frames(self, where: str, count: int) -> None: ...
@@ -117,14 +117,6 @@ def _checked_io(media_io: Any) -> tuple[str, Any]:
     return type(media_io).__name__.removesuffix("MediaIO").lower() or "media", media_io
 
 
-def _host_port(url: str) -> tuple[str, int]:
-    try:
-        parts = urlsplit(url)
-        return (parts.hostname or "").lower(), parts.port or (443 if parts.scheme.lower() == "https" else 80)
-    except ValueError:
-        raise ValueError("image: malformed URL") from None
-
-
 def _connector_class(base: type) -> type:
     class GuardedMediaConnector(base):
         """vLLM's media connector under vlguard's media policy (:mod:`server.vllm_hooks.media_connector`)."""
@@ -135,14 +127,15 @@ def _connector_class(base: type) -> type:
 
         def load_from_url(self, url: str, media_io: Any, **kwargs: Any) -> Any:
             modality, checked = _checked_io(media_io)
-            if _current().check_url(modality, url) in ("http", "https"):
-                _current().resolve_and_check(*_host_port(url))
+            if _current().check_url(modality, url) in ("http", "https"):  # vLLM's front end loads async
+                raise ValueError(f"{modality}: remote media is fetched on vLLM's asynchronous path only")
             return super().load_from_url(url, checked, **kwargs)
 
         async def load_from_url_async(self, url: str, media_io: Any, **kwargs: Any) -> Any:
             modality, checked = _checked_io(media_io)
-            if _current().check_url(modality, url) in ("http", "https"):
-                await asyncio.to_thread(_current().resolve_and_check, *_host_port(url))
+            if _current().check_url(modality, url) in ("http", "https"):  # fetched by vlguard, never by vLLM
+                data = await _current().fetch(url)
+                return await asyncio.get_running_loop().run_in_executor(None, checked.load_bytes, data)
             return await super().load_from_url_async(url, checked, **kwargs)
 
     return GuardedMediaConnector

@@ -105,3 +105,40 @@ async def test_hosts_outside_the_allow_list_are_refused(remote: Api, media_host:
     port = media_host.rsplit(":", 1)[1]
     resp = await _chat(remote, f"http://localhost:{port}/ok.png")
     assert resp.status_code == 400 and "not in --allowed-media-domains" in resp.json()["error"]["message"]
+
+
+def _tool_output(api: Api, url: str) -> dict[str, object]:
+    """A Responses request whose image sits in a tool output: loaded by vLLM's media connector, not the door."""
+    part = {"type": "input_image", "image_url": url, "detail": "auto"}
+    return {"model": api.model, "max_output_tokens": 2, "input": [
+        {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [part]},
+        {"role": "user", "content": "Describe it."},
+    ]}  # fmt: skip
+
+
+def _anthropic(api: Api, url: str) -> dict[str, object]:
+    image = {"type": "image", "source": {"type": "url", "url": url}}
+    return {"model": api.model, "max_tokens": 2, "messages": [{"role": "user", "content": [image]}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"), [("/v1/responses", _tool_output), ("/v1/messages", _anthropic)], ids=["tool-output", "anthropic"]
+)
+async def test_shapes_the_door_does_not_read_are_fetched_under_the_same_policy(
+    remote: Api, media_host: str, path: str, shape: Callable[[Api, str], dict[str, object]]
+) -> None:
+    """Hostile review of #44: vLLM's own fetch followed a redirect from an allow-listed host to any address
+    (``localhost``, a metadata address) and read a 200 MB body whole before the size check. In vLLM's media
+    connector the fetch is vlguard's: each hop checked, the size bounded while it arrives."""
+    for url, words in (
+        ("/to-localhost", "'localhost' is not in --allowed-media-domains"),
+        ("/to-private", "not in --allowed-media-domains"),
+        ("/big.png", "larger than 1048576 bytes"),
+        ("/loop", "redirects"),
+    ):
+        resp = await remote.client.post(path, json=shape(remote, media_host + url))
+        assert 400 <= resp.status_code < 500, (url, resp.status_code, resp.text[:300])
+        assert words in resp.text, (url, resp.text[:300])
+    ok = await remote.client.post(path, json=shape(remote, media_host + "/redirect-ok"))
+    assert ok.status_code < 500 and "fetching" not in ok.text, ok.text[:300]
