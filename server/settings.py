@@ -56,6 +56,11 @@ class GuardSettings(BaseSettings):
     """Most values (array items and object members, counted by their commas) one request body may hold;
     more gets 413 before it is parsed. A prompt of token ids needs one per token; an image is one."""
 
+    inflight_share: float = Field(default=0.25, gt=0, le=1)
+    """Fraction of --guard-max-inflight one client's requests may hold at once (a client as for
+    --guard-body-share; at least one); one more gets 429 + Retry-After for that client alone, so one client's
+    slow streams never take every slot. Loopback clients (no identity) share the whole bound."""
+
     body_timeout: float = Field(default=30.0, gt=0)
     """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
     ``max_inflight`` slots only once its body has arrived, so stalled uploads cannot fill them."""

@@ -104,6 +104,12 @@ def _parse_json(raw: bytes) -> Any:
         raise MediaError(HTTPStatus.BAD_REQUEST, "request body: JSON nested too deeply", "body") from None
 
 
+def _dumps(body: dict[str, Any]) -> bytes:
+    """A rewritten body as compact UTF-8 JSON: about the size the client sent (``ensure_ascii`` would grow
+    non-ASCII text up to six times past the bytes the body budget counted)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 class _Inspected(NamedTuple):
     """What the door's synchronous checks of a body found (:meth:`InputGuardMiddleware._inspect`)."""
 
@@ -163,6 +169,8 @@ class InputGuardMiddleware:
             timeout_s=settings.remote_media_timeout,
         )
         self.active = 0
+        self.client_active: dict[str, int] = {}  # client identity -> its requests holding a slot now
+        self.client_inflight = max(1, int(settings.max_inflight * settings.inflight_share))
         self.body_budget = settings.body_memory_bytes()
         self.body_bytes = 0  # bytes of the bodies inside now (received, checked, held, served)
         self.keys = keys
@@ -280,11 +288,21 @@ class InputGuardMiddleware:
             headers = {"Retry-After": str(RETRY_AFTER_S)}
             await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message_, "overload", headers)
             return
+        if who and self.max_inflight and self.client_active.get(who, 0) >= self.client_inflight:
+            message_ = (f"Too many requests in progress from this client: {self.client_active[who]} "
+                        f"(limit {self.client_inflight} per client); retry later")  # fmt: skip
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message_, "client_overload", headers)
+            return
         self.active += 1
+        if who:
+            self.client_active[who] = self.client_active.get(who, 0) + 1
         try:
             await self._serve(scope, receive, send, raw, kind)
         finally:
             self.active -= 1
+            if who and (left := self.client_active.pop(who, 0) - 1) > 0:
+                self.client_active[who] = left
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind) -> None:
         try:
@@ -363,8 +381,8 @@ class InputGuardMiddleware:
         if not (found.changed or normalized > 0 or fetched > 0):
             return None
         if len(raw) > _OFFLOAD_BYTES:
-            return await asyncio.to_thread(lambda: json.dumps(body).encode())
-        return json.dumps(body).encode()
+            return await asyncio.to_thread(_dumps, body)
+        return _dumps(body)
 
     async def _normalize(self, pending: list[PendingImage]) -> int:
         """Normalise ``pending`` images in the decode pool (together, each taking its pixels from the

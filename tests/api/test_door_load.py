@@ -179,3 +179,26 @@ async def test_a_route_without_inputs_to_check_still_has_its_body_bounded(make_a
     assert stalled_upload.status_code == 408
     ok = await api.client.post("/detokenize", json={"model": api.model, "tokens": [1, 2]})
     assert ok.status_code == 200 and "prompt" in ok.json()
+
+
+async def test_one_clients_requests_never_take_every_in_flight_slot(make_api: Any) -> None:
+    """Hostile review of #44: slow readers of one client held in-flight slots indefinitely, and every slot
+    could be one client's. Now one client holds at most its share of --guard-max-inflight (4 x 0.5 = 2): its
+    next request gets 429 naming the per-client limit while another client is served and /ready stays 200."""
+    api: Api = await make_api("--guard-max-inflight", "4", "--guard-inflight-share", "0.5")
+    engine = api.engine
+    engine.pause()
+    seen = len(engine.requests)
+    async with client_from(api, "203.0.113.7") as greedy, client_from(api, "198.51.100.9") as other:
+        inside = [asyncio.create_task(greedy.post(CHAT, json=body(api.model))) for _ in range(2)]
+        try:
+            await asyncio.wait_for(engine.wait_for_requests(seen + 2), 30)
+            refused = await greedy.post(CHAT, json=body(api.model))
+            assert refused.status_code == 429 and "per client" in refused.json()["error"]["message"]
+            assert (await api.client.get("/ready")).status_code == 200
+            served = asyncio.create_task(other.post(CHAT, json=body(api.model)))
+            await asyncio.wait_for(engine.wait_for_requests(seen + 3), 30)
+        finally:
+            engine.resume()
+        assert [(await t).status_code for t in (*inside, served)] == [200, 200, 200]
+        assert (await greedy.post(CHAT, json=body(api.model))).status_code == 200  # its share given back
