@@ -199,7 +199,7 @@ def test_edge_refuses_chunked_bodies_and_keeps_internal_routes_internal(
         declared = from_client(client_netns, "POST", url + "/tokenize", f"Content-Length: {65 << 20}",
                                "Content-Type: application/json", curl=("--data-binary", "{}"))  # fmt: skip
         assert declared in (413, 0)  # refused on its declared length (curl may see the close first)
-        for path in ("/metrics", "/docs", "/openapi.json", "/redoc", "/version", "/P/metrics", "/%6detrics"):
+        for path in ("/metrics", "/docs", "/openapi.json", "/redoc", "/version", "/ready", "/P/metrics", "/%6detrics"):
             assert from_client(client_netns, "GET", url + path) == 404, path
             if not path.startswith(("/P", "/%")):
                 assert httpx.get(internal + path, timeout=30).status_code == 200, path
