@@ -48,7 +48,8 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
     **{dest: (_G, "") for dest in (
         "host", "port", "uds", "api_key", "root_path", "allow_credentials", "allowed_origins", "allowed_methods",
         "allowed_headers", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "uvicorn_log_level",
-        "disable_uvicorn_access_log", "disable_fastapi_docs", "print_config",
+        "disable_uvicorn_access_log", "disable_fastapi_docs", "print_config", "ssl_ciphers",
+        "h11_max_incomplete_event_size",
     )},
     "api_server_count": (_R, "one API process only: the guard does not span several yet"),
     "headless": (_R, "vlguard serves the API it guards; a headless engine has none"),
@@ -66,10 +67,8 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
     "log_config_file": (_R, _LAUNCHER),
     "disable_access_log_for_endpoints": (_R, _LAUNCHER),
     "log_error_stack": (_R, "vLLM's own exception handler reads it; vlguard's maps errors itself"),
-    "ssl_ciphers": (_R, _LAUNCHER + " (vlguard would negotiate ciphers it names)"),
     "enable_ssl_refresh": (_R, _LAUNCHER + " (vlguard would keep the old certificate)"),
     "enable_offline_docs": (_R, "vLLM's app builder serves the docs offline and vlguard does not run it yet"),
-    "h11_max_incomplete_event_size": (_R, _LAUNCHER),
     "h11_max_header_count": (_R, _LAUNCHER),
 }  # fmt: skip
 

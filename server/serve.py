@@ -155,6 +155,18 @@ def keep_alive_timeout(settings: GuardSettings) -> int:
     return DEFAULT_KEEP_ALIVE_S
 
 
+def uvicorn_extras(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``vllm serve`` flags vLLM's launcher hands to uvicorn that vlguard's server honours the same way
+    (:mod:`server.front_flags`): ``--ssl-ciphers`` when set, ``--h11-max-incomplete-event-size`` (vLLM's
+    default, 4 MiB, as stock passes it; it bounds a request's header block under the h11 parser)."""
+    extras: dict[str, Any] = {}
+    if args.ssl_ciphers:
+        extras["ssl_ciphers"] = args.ssl_ciphers
+    if args.h11_max_incomplete_event_size is not None:
+        extras["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+    return extras
+
+
 def listen_socket(args: argparse.Namespace) -> socket.socket:
     """The server's socket, bound (not yet listening) before the engine is built, as ``vllm serve`` does.
 
@@ -274,6 +286,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         ssl_cert_reqs=args.ssl_cert_reqs,
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # SIGTERM: drain in-flight requests, bounded
+        **uvicorn_extras(args),
     )
     server = _Server(config, on_signal=supervisor.request_stop, delay_s=settings.shutdown_delay)
 

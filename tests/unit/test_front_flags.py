@@ -22,7 +22,7 @@ def test_every_front_end_flag_of_this_vllm_is_classified() -> None:
         ["--headless"],
         ["--middleware", "no.such.module.Middleware"],
         ["--enable-request-id-headers"],
-        ["--ssl-ciphers", "ECDHE-RSA-AES128-GCM-SHA256"],
+        ["--enable-ssl-refresh"],
         ["--enable-offline-docs"],
         ["--tool-parser-plugin", "/tmp/plugin.py"],
         ["--disable-access-log-for-endpoints", "/health"],
@@ -34,6 +34,19 @@ def test_a_flag_vlguard_cannot_honour_is_refused_at_start(flags: list[str], caps
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"vlguard serve: {flags[0]}" in err and ":" in err.split(flags[0], 1)[1]
+
+
+def test_launcher_flags_vlguard_honours_reach_its_uvicorn() -> None:
+    from server.serve import uvicorn_extras
+
+    args, _ = resolve_serve_args(["serve", "m"])
+    assert "ssl_ciphers" not in uvicorn_extras(args)  # uvicorn's own cipher list, as stock
+    args, _ = resolve_serve_args(["serve", "m", "--ssl-ciphers", "ECDHE-RSA-AES128-GCM-SHA256",
+                                  "--h11-max-incomplete-event-size", "65536"])  # fmt: skip
+    assert uvicorn_extras(args) == {
+        "ssl_ciphers": "ECDHE-RSA-AES128-GCM-SHA256",
+        "h11_max_incomplete_event_size": 65536,
+    }
 
 
 def test_honoured_and_default_flags_start() -> None:
