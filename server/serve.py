@@ -235,6 +235,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     from server.app import create_app
     from server.guard.spare import SpareKeeper
     from server.guard.supervisor import Supervisor, build_async_llm
+    from server.http_protocol import http_protocol
     from server.vllm_hooks import missing_hooks
 
     _configure_logging()
@@ -286,6 +287,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         ssl_cert_reqs=args.ssl_cert_reqs,
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # SIGTERM: drain in-flight requests, bounded
+        http=http_protocol(settings.header_timeout),  # a request's headers within --guard-header-timeout
         **uvicorn_extras(args),
     )
     server = _Server(config, on_signal=supervisor.request_stop, delay_s=settings.shutdown_delay)

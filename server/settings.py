@@ -61,6 +61,11 @@ class GuardSettings(BaseSettings):
     --guard-body-share; at least one); one more gets 429 + Retry-After for that client alone, so one client's
     slow streams never take every slot. Loopback clients (no identity) share the whole bound."""
 
+    header_timeout: float = Field(default=10.0, gt=0)
+    """Seconds a request's headers may take to arrive (from the connection's opening, or the first byte of
+    the next request on a kept-alive connection); slower connections are closed (slowloris: uvicorn alone
+    kept them open for ever)."""
+
     body_timeout: float = Field(default=30.0, gt=0)
     """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
     ``max_inflight`` slots only once its body has arrived, so stalled uploads cannot fill them."""

@@ -110,6 +110,16 @@ def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+class Counts(dict[str, int]):
+    """Per-client counts that drop a client at zero (``""``, no identity, is never counted)."""
+
+    def add(self, who: str, n: int) -> None:
+        if who and (total := self.get(who, 0) + n) > 0:
+            self[who] = total
+        elif who:
+            self.pop(who, None)
+
+
 class _Inspected(NamedTuple):
     """What the door's synchronous checks of a body found (:meth:`InputGuardMiddleware._inspect`)."""
 
@@ -169,13 +179,13 @@ class InputGuardMiddleware:
             timeout_s=settings.remote_media_timeout,
         )
         self.active = 0
-        self.client_active: dict[str, int] = {}  # client identity -> its requests holding a slot now
+        self.client_active = Counts()  # client identity -> its requests holding a slot now
         self.client_inflight = max(1, int(settings.max_inflight * settings.inflight_share))
         self.body_budget = settings.body_memory_bytes()
         self.body_bytes = 0  # bytes of the bodies inside now (received, checked, held, served)
         self.keys = keys
         self.client_share = int(self.body_budget * settings.body_share)
-        self.client_bytes: dict[str, int] = {}  # client identity -> bytes its bodies hold now
+        self.client_bytes = Counts()  # client identity -> bytes its bodies hold now
         self.engine_ready = engine_ready
         self.body_timeout = settings.body_timeout
         self.max_json_items = settings.max_json_items
@@ -198,8 +208,7 @@ class InputGuardMiddleware:
             await self._admit(scope, receive, send, held, who, kind)
         finally:
             self.body_bytes -= held[0]
-            if who and (left := self.client_bytes.pop(who, 0) - held[0]) > 0:
-                self.client_bytes[who] = left
+            self.client_bytes.add(who, -held[0])
             m.BODY_BYTES.set(self.body_bytes)
 
     def saturated(self) -> bool:
@@ -221,7 +230,7 @@ class InputGuardMiddleware:
         self.body_bytes += n
         held[0] += n
         if who:
-            self.client_bytes[who] = self.client_bytes.get(who, 0) + n
+            self.client_bytes.add(who, n)
         m.BODY_BYTES.set(self.body_bytes)
         return ""
 
@@ -295,14 +304,12 @@ class InputGuardMiddleware:
             await self._refuse(scope, receive, send, HTTPStatus.TOO_MANY_REQUESTS, message_, "client_overload", headers)
             return
         self.active += 1
-        if who:
-            self.client_active[who] = self.client_active.get(who, 0) + 1
+        self.client_active.add(who, 1)
         try:
             await self._serve(scope, receive, send, raw, kind)
         finally:
             self.active -= 1
-            if who and (left := self.client_active.pop(who, 0) - 1) > 0:
-                self.client_active[who] = left
+            self.client_active.add(who, -1)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind) -> None:
         try:
