@@ -108,7 +108,9 @@ def _vllm_serve_engine_args(args: str) -> dict[str, Any]:
 def test_entrypoint_resolves_the_engine_arguments_vllm_serve_would(args: str) -> None:
     resolved = _dry_run(args)
     engine = resolved["engine"]
-    stock = _vllm_serve_engine_args(LAUNCH_LINE)
+    # The profile is the launch line plus a per-prompt media limit (#44: vLLM's default is 999 a prompt).
+    media = """ --limit-mm-per-prompt '{"image": 4, "video": 0}'""" if args.startswith("--config") else ""
+    stock = _vllm_serve_engine_args(LAUNCH_LINE + media)
     assert set(engine) == set(stock)
     differing = {k for k in engine if engine[k] != stock[k]}
     assert differing <= OVERRIDES, {k: (engine[k], stock[k]) for k in differing - OVERRIDES}
