@@ -204,6 +204,7 @@ async def test_non_finite_constants_are_refused_while_parsing(api: Api, constant
     assert resp.status_code == 400 and "not a finite JSON number" in resp.json()["error"]["message"]
 
 
+@pytest.mark.full_only  # vlguard's own door, whatever the vLLM; 130 MB of bodies: the default lane runs it
 async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
     """#44: a 47-57 MB body held the event loop 10-18 s (/health waited that long), 12 s of it the door's own
     walk; a 30 MB /tokenize prompt ran the tokenizer 46-66 s. With both in flight, /health answers within 1 s

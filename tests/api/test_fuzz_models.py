@@ -64,7 +64,7 @@ def _examples(valid: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
     """``(field, body)`` pairs: ``valid`` with one of ``names`` set to a hostile value (hypothesis, derandomized)."""
     found: list[tuple[str, str]] = []
 
-    @settings(max_examples=60, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(name=st.sampled_from(names), value=HOSTILE)
     def collect(name: str, value: Any) -> None:
         found.append((name, json.dumps({**valid, name: value})))
@@ -94,7 +94,7 @@ async def test_hostile_fields_of_vllms_request_models_never_answer_5xx(api: Api)
         answers[i] = (path, name, resp.status_code, resp.text[:200])
     server_errors = [a for a in answers if a[2] >= 500]
     assert server_errors == [], server_errors[:5]
-    assert len(answers) >= 60 * len(fields)
+    assert len(answers) >= 40 * len(fields)
 
 
 @pytest.mark.parametrize("part", [
