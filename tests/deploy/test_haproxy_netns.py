@@ -130,7 +130,8 @@ def test_a_client_on_another_host_cannot_reach_the_operator_routes_through_the_b
     try:
         url = lb.url  # type: ignore[attr-defined]
         offset = len(eager_server.log_path.read_bytes())
-        assert from_client(client_netns, "GET", url + "/ready", "X-Forwarded-For: 6.6.6.6") == 200  # reaches vlguard
+        assert from_client(client_netns, "GET", url + "/health", "X-Forwarded-For: 6.6.6.6") == 200  # reaches vlguard
+        assert from_client(client_netns, "GET", url + "/ready") == 404  # the replica's state: internal listener only
         # The balancer drops the client's own X-Forwarded-For and sets the real address, which vlguard
         # trusts from loopback: its log (and its per-client fault budget) see the client, not 127.0.0.1.
         seen = eager_server.log_path.read_bytes()[offset:].decode(errors="replace")
