@@ -210,7 +210,8 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
                     task.cancel()
 
     # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
-    media_connector.install(MediaPolicy.of(settings, args), trust_client_uuids=settings.trust_client_uuids)
+    media = MediaPolicy.of(settings, args)
+    media_connector.install(media, trust_client_uuids=settings.trust_client_uuids)
     docs = {} if not args.disable_fastapi_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="vlguard", version=__version__, lifespan=lifespan, **docs)  # type: ignore[arg-type]
     app.state.supervisor = supervisor
@@ -228,8 +229,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.add_middleware(
         InputGuardMiddleware,
         settings=settings,
-        local_media=bool(args.allowed_local_media_path),
-        allowed_media_domains=args.allowed_media_domains,
+        media=media,
         pixel_bounds=lambda: app.state.pixel_bounds,
         item_limits=lambda: app.state.item_limits,
         poison_rules=lambda: app.state.poison_rules,

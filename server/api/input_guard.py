@@ -47,7 +47,6 @@ from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_resp
 from server.api.media import (
     MediaCheck,
     MediaError,
-    MediaLimits,
     PendingImage,
     PixelBounds,
     check_media,
@@ -56,15 +55,15 @@ from server.api.media import (
     normalized_image,
     strip_client_uuids,
 )
+from server.api.media_policy import MediaPolicy
 from server.api.poison import PoisonRules, check_constraint, check_known_poison, check_prompt_length
-from server.api.remote_media import RemotePolicy, inline_remote_media
+from server.api.remote_media import inline_remote_media
 from server.api.routes import RouteKind, post_kind
 from server.guard.clients import client_key
 from server.guard.engine_client import ENGINE_ENTERED
 from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
-from server.vllm_hooks.locations import upstream_image_rules
 
 #: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); images
 #: to normalise are decoded and re-encoded in the door's decode pool whatever the body's size.
@@ -132,9 +131,9 @@ class _Inspected(NamedTuple):
 class InputGuardMiddleware:
     """Arguments:
     app: the ASGI app to protect.
-    settings: the limits (``max_inflight``, ``max_request_mb`` and the media limits).
-    local_media: whether ``--allowed-local-media-path`` is set (``file:`` URLs allowed).
-    allowed_media_domains: vLLM's ``--allowed-media-domains``: the hosts remote media may come from.
+    settings: the limits (``max_inflight``, ``max_request_mb``, the body budget and timeouts).
+    media: the server's media policy (:class:`server.api.media_policy.MediaPolicy`: its media limits and
+        remote-media hosts), the same one vLLM's media connector applies.
     pixel_bounds: returns the server's processed image size bounds once the engine is up (``None``: not
         known yet, or the model's processor has none).
     item_limits: returns vLLM's per-prompt media limits (modality -> most items; ``--limit-mm-per-prompt``).
@@ -148,8 +147,7 @@ class InputGuardMiddleware:
         self,
         app: ASGIApp,
         settings: GuardSettings,
-        local_media: bool = False,
-        allowed_media_domains: list[str] | None = None,
+        media: MediaPolicy,
         pixel_bounds: Callable[[], PixelBounds | None] = lambda: None,
         item_limits: Callable[[], dict[str, int] | None] = lambda: None,
         poison_rules: Callable[[], PoisonRules | None] = lambda: None,
@@ -161,23 +159,10 @@ class InputGuardMiddleware:
         self.poison_rules = poison_rules
         self.max_inflight = settings.max_inflight
         self.max_body = int(settings.max_request_mb * 1024 * 1024)
-        self.limits = MediaLimits(
-            max_image_bytes=int(settings.max_image_mb * 1024 * 1024),
-            max_image_pixels=settings.max_image_pixels,
-            max_aspect_ratio=settings.max_aspect_ratio,
-            remote_media=settings.remote_media,
-            local_media=local_media,
-            normalize=settings.image_normalize,
-            upstream_rules=upstream_image_rules(),
-            trust_client_uuids=settings.trust_client_uuids,
-        )
+        self.limits, self.remote = media.limits, media.remote  # the media policy vLLM's connector applies too
         self.pixel_bounds = pixel_bounds
         self.item_limits = item_limits
         self.decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
-        self.remote = RemotePolicy(
-            allowed_hosts=frozenset(h.lower() for h in allowed_media_domains or ()),
-            timeout_s=settings.remote_media_timeout,
-        )
         self.active = 0
         self.client_active = Counts()  # client identity -> its requests holding a slot now
         self.client_inflight = max(1, int(settings.max_inflight * settings.inflight_share))
@@ -229,8 +214,7 @@ class InputGuardMiddleware:
             return "memory"
         self.body_bytes += n
         held[0] += n
-        if who:
-            self.client_bytes.add(who, n)
+        self.client_bytes.add(who, n)
         m.BODY_BYTES.set(self.body_bytes)
         return ""
 

@@ -33,6 +33,7 @@ import pybase64
 from server.api.media import MediaError, MediaLimits, check_image_bytes
 from server.api.remote_media import RemotePolicy, fetch_bytes
 from server.settings import GuardSettings
+from server.vllm_hooks.locations import upstream_image_rules
 
 #: The highest frame rate a request may ask a video to be sampled at.
 MAX_FPS = 60.0
@@ -63,13 +64,17 @@ class MediaPolicy:
 
     @classmethod
     def of(cls, settings: GuardSettings, args: Any) -> MediaPolicy:
-        """The policy of a server started with ``settings`` and vLLM's serve arguments ``args``."""
+        """The policy of a server started with ``settings`` and vLLM's serve arguments ``args``: one object for
+        the door (:class:`server.api.input_guard.InputGuardMiddleware`) and vLLM's media connector."""
         limits = MediaLimits(
             max_image_bytes=int(settings.max_image_mb * 1024 * 1024),
             max_image_pixels=settings.max_image_pixels,
             max_aspect_ratio=settings.max_aspect_ratio,
             remote_media=settings.remote_media,
             local_media=bool(getattr(args, "allowed_local_media_path", None)),
+            normalize=settings.image_normalize,  # the door's (the connector reads headers only)
+            upstream_rules=upstream_image_rules(),
+            trust_client_uuids=settings.trust_client_uuids,
         )
         hosts = frozenset(h.lower() for h in getattr(args, "allowed_media_domains", None) or ())
         remote = RemotePolicy(allowed_hosts=hosts, timeout_s=settings.remote_media_timeout)

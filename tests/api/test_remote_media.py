@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from server.workload.images import photo_bytes, photo_uri
+from tests.api.test_media_layer import tool_output_body
 from tests.helpers import chat_body, http_host
 from tests.inprocess import Api
 
@@ -109,12 +110,7 @@ async def test_hosts_outside_the_allow_list_are_refused(remote: Api, media_host:
 
 def _tool_output(api: Api, url: str) -> dict[str, object]:
     """A Responses request whose image sits in a tool output: loaded by vLLM's media connector, not the door."""
-    part = {"type": "input_image", "image_url": url, "detail": "auto"}
-    return {"model": api.model, "max_output_tokens": 2, "input": [
-        {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": [part]},
-        {"role": "user", "content": "Describe it."},
-    ]}  # fmt: skip
+    return tool_output_body(api.model, {"type": "input_image", "image_url": url, "detail": "auto"})
 
 
 def _anthropic(api: Api, url: str) -> dict[str, object]:
