@@ -1,8 +1,9 @@
-"""The FastAPI application: vLLM's own OpenAI routers over the guarded engine client.
+"""The FastAPI application: vlguard's shell around vLLM's own app over the guarded engine client.
 
-``create_app(args, settings, supervisor)`` assembles the app; its lifespan owns the engine through the
-supervisor's async context manager (always shut down on exit) and builds vLLM's serving classes
-(``init_app_state``) over a :class:`GuardedEngineClient`.
+``create_app(args, settings, supervisor)`` assembles the shell (transport, CORS, door, admission, vlguard's
+routes); its lifespan owns the engine through the supervisor's async context manager (always shut down on
+exit) and, once the engine is up, has vLLM's builder make vLLM's app over a :class:`GuardedEngineClient`
+(:mod:`server.api.stock_app`), which answers every request vlguard's own routes do not.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
 from fastapi import FastAPI
 
-from server import __version__
 from server.api.admin import router as admin_router
 from server.api.admission import AdmissionMiddleware
 from server.api.errors import install_error_handlers
@@ -26,8 +26,7 @@ from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
 from server.api.media_policy import MediaPolicy
 from server.api.model_facts import poison_rules
-from server.api.request_fixes import install_completion_fixes
-from server.api.routes import flat_routes, served
+from server.api.stock_app import StockApp, build_stock_app, route_lines
 from server.api.transport import TransportMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
@@ -36,33 +35,6 @@ from server.settings import GuardSettings
 from server.vllm_hooks import media_connector
 
 logger = logging.getLogger(__name__)
-
-
-#: Stock routes vlguard answers with handlers of its own (server/api/health.py), or leaves to FastAPI.
-_OWN_ROUTES = frozenset(
-    {"/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-)
-
-
-def _adopt_stock_routes(app: FastAPI, args: argparse.Namespace, tasks: Any, model_config: Any) -> list[str]:
-    """Serve every route of vLLM's own app (``build_app`` for these arguments, tasks and model) that vlguard
-    does not answer itself: a route a later vLLM adds is served (behind the transport, the door and its
-    route table, :mod:`server.api.routes`) without vlguard listing it. Returns ``METHOD path`` of each."""
-    from fastapi import APIRouter
-
-    from server.vllm_hooks.locations import vllm_symbol
-
-    stock = vllm_symbol("build_app")(args, tasks, model_config)
-    have = served(app.routes)
-    router = APIRouter()
-    adopted = []
-    for route in flat_routes(stock.routes):
-        if route.path in _OWN_ROUTES or all((method, route.path) in have for method in route.methods):
-            continue
-        router.routes.append(route)
-        adopted += [f"{method} {route.path}" for method in sorted(route.methods)]
-    app.include_router(router)
-    return adopted
 
 
 def _tokenizer(client: GuardedEngineClient) -> Any:
@@ -80,8 +52,8 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
     return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
 
 
-def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
-    """CORS and ``--api-key`` exactly as ``vllm serve`` applies them (drop-in compatibility)."""
+def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
+    """CORS as ``vllm serve`` applies it (vLLM's app leaves it to this shell: :mod:`server.api.stock_app`)."""
     from fastapi.middleware.cors import CORSMiddleware
 
     app.add_middleware(
@@ -91,10 +63,6 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
-    if tokens := _api_keys(args):
-        from server.vllm_hooks.locations import vllm_symbol
-
-        app.add_middleware(vllm_symbol("AuthenticationMiddleware"), tokens=tokens)
 
 
 async def _log_stats_forever(client: GuardedEngineClient, interval_s: float) -> None:
@@ -176,18 +144,12 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from vllm.utils.gc_utils import freeze_gc_heap
 
-        from server.vllm_hooks.locations import vllm_symbol
-
-        init_app_state = vllm_symbol("init_app_state")
         notifier.status("loading engine")
         async with supervisor.running():
             client = GuardedEngineClient(supervisor)
             tasks = await client.get_supported_tasks()
-            await init_app_state(cast(Any, client), app.state, args, tasks)
-            adopted = _adopt_stock_routes(app, args, tasks, client.model_config)
-            logger.info("serving vLLM's routes: %s", ", ".join(adopted))
-            if (completion := getattr(app.state, "openai_serving_completion", None)) is not None:
-                install_completion_fixes(completion)
+            stock.app = vllm_app = await build_stock_app(args, client, tasks)
+            logger.info("serving vLLM's app: %s", ", ".join(route_lines(vllm_app)))
             app.state.pixel_bounds = _pixel_bounds(client.model_config)
             app.state.item_limits = _item_limits(client.model_config)
             app.state.poison_rules = poison_rules(client.model_config, client.vllm_config, _tokenizer(client))
@@ -212,8 +174,10 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
     media = MediaPolicy.of(settings, args)
     media_connector.install(media, trust_client_uuids=settings.trust_client_uuids)
-    docs = {} if not args.disable_fastapi_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
-    app = FastAPI(title="vlguard", version=__version__, lifespan=lifespan, **docs)  # type: ignore[arg-type]
+    # The docs are vLLM's app's (--disable-fastapi-docs, --enable-offline-docs as stock)
+    app = FastAPI(title="vlguard", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    stock = StockApp()
+    app.router.default = stock  # what vlguard's own routes do not answer: vLLM's app (503 until it is built)
     app.state.supervisor = supervisor
     app.state.settings = settings
     app.state.args = args
@@ -222,9 +186,10 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.item_limits = _item_limits_from_args(args)  # the engine's own once it is up
     app.root_path = args.root_path
     app.include_router(health_router)
-    app.include_router(admin_router)  # vLLM's own routes are adopted once the engine is up (the lifespan)
-    # Starlette puts each added middleware in front: on the way in, repeated headers, API key, CORS (as vllm
-    # serve), input guard (limits, media), admission (engine ready).
+    app.include_router(admin_router)
+    # Starlette puts each added middleware in front: on the way in, the transport (repeated headers, the API
+    # key of a body request), CORS (as vllm serve), input guard (limits, media), admission (engine ready); then
+    # vlguard's routes, else vLLM's app with its own middleware (the API key on /v1, request ids, --middleware).
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keys=len(_api_keys(args)))
     app.add_middleware(
         InputGuardMiddleware,
@@ -237,7 +202,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         expose=lambda guard: setattr(app.state, "input_guard", guard),
         keys=len(_api_keys(args)),
     )
-    _add_middleware(app, args)
+    _add_cors(app, args)
     app.add_middleware(TransportMiddleware, keys=_api_keys(args))  # outermost: before anything reads the request
-    install_error_handlers(app)
+    install_error_handlers(app, log_error_stack=bool(args.log_error_stack))
     return app

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from server import front_flags
+from server import front_flags, launcher
 
 if TYPE_CHECKING:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -92,7 +92,8 @@ def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettin
 
     Raises:
         SystemExit: unknown flag or bad value (argparse prints the usage); status 2 for a front-end flag
-            vlguard cannot honour yet (:mod:`server.front_flags`, each named on stderr).
+            vlguard cannot honour yet (:mod:`server.front_flags`, each named on stderr), or for what vLLM's
+            launcher would refuse before building the engine (:func:`server.launcher.prepare`).
         pydantic.ValidationError: a guard setting is invalid.
     """
     from server.vllm_hooks.locations import vllm_symbol
@@ -103,7 +104,13 @@ def resolve_serve_args(argv: list[str]) -> tuple[argparse.Namespace, GuardSettin
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     validate_parsed_serve_args(args)
-    if lines := front_flags.refused(args, serve_parser(parser)):  # never accepted and dropped
+    lines = front_flags.refused(args, serve_parser(parser))  # never accepted and dropped
+    if not lines:
+        try:
+            launcher.prepare(args)  # what vLLM's launcher loads and checks before it builds the engine
+        except ValueError as exc:
+            lines = [str(exc)]
+    if lines:
         for line in lines:
             print(f"vlguard serve: {line}", file=sys.stderr)
         raise SystemExit(2)

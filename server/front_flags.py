@@ -4,10 +4,11 @@ The engine flags (``AsyncEngineArgs``) reach vLLM's engine as they are. The othe
 end) are read by vLLM's serving layer, by vLLM's routes, by vlguard's own server code, or by vLLM's launcher,
 which vlguard does not run. Each is one of:
 
-* ``VLLM``: read by vLLM's serving layer (``init_app_state``) or by vLLM's own routes, which vlguard builds
-  and serves as they are: stock behaviour by construction;
-* ``VLGUARD``: vlguard's server honours it itself (address, TLS files, CORS, API key, root path, docs);
-* ``REFUSED``: read only by vLLM's launcher or app builder, which vlguard does not run yet: a launch line
+* ``VLLM``: read by vLLM's app builder (``build_app``), serving layer (``init_app_state``) or routes, whose
+  app vlguard serves behind its shell (:mod:`server.api.stock_app`): stock behaviour by construction;
+* ``VLGUARD``: vlguard's server honours it itself (address, TLS, CORS, the API key of body requests, root
+  path), or does what vLLM's launcher does with vLLM's own helpers (:mod:`server.launcher`);
+* ``REFUSED``: read only by parts of vLLM's launcher vlguard does not do yet: a launch line
   that sets it to anything but its default is refused at start (exit 2, the flag and why named), never
   accepted and dropped.
 
@@ -43,13 +44,17 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
         "cohere_is_reasoning_model", "reasoning_effort_map", "tool_strict_level", "trust_request_mm_kwargs",
         "sse_keep_alive_interval", "enable_per_request_metrics", "fingerprint_mode", "fingerprint_value",
         "enable_scale_out", "enable_flash_late_interaction", "model_tag", "config",
+        # vLLM's app builder, whose app vlguard serves (server/api/stock_app.py)
+        "middleware", "enable_request_id_headers", "enable_offline_docs", "disable_fastapi_docs", "log_error_stack",
     )},
     # vlguard's own server
     **{dest: (_G, "") for dest in (
         "host", "port", "uds", "api_key", "root_path", "allow_credentials", "allowed_origins", "allowed_methods",
         "allowed_headers", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "uvicorn_log_level",
-        "disable_uvicorn_access_log", "disable_fastapi_docs", "print_config", "ssl_ciphers",
+        "disable_uvicorn_access_log", "print_config", "ssl_ciphers",
         "h11_max_incomplete_event_size",
+        # what vLLM's launcher does, done with its own helpers (server/launcher.py)
+        "tool_parser_plugin", "log_config_file", "disable_access_log_for_endpoints", "enable_ssl_refresh",
     )},
     "api_server_count": (_R, "one API process only: the guard does not span several yet"),
     "headless": (_R, "vlguard serves the API it guards; a headless engine has none"),
@@ -60,15 +65,6 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
     "dp_supervisor_probe_interval_s": (_R, _LAUNCHER),
     "dp_supervisor_probe_timeout_s": (_R, _LAUNCHER),
     "dp_supervisor_probe_failure_threshold": (_R, _LAUNCHER),
-    "middleware": (_R, "vLLM's app builder imports it and vlguard does not run that builder yet"),
-    "enable_request_id_headers": (_R, "vLLM's app builder adds the header middleware and vlguard does not run it yet"),
-    "tool_parser_plugin": (_R, "vLLM's launcher imports the plugin (without it the parser name fails after the "
-                               "engine was built)"),
-    "log_config_file": (_R, _LAUNCHER),
-    "disable_access_log_for_endpoints": (_R, _LAUNCHER),
-    "log_error_stack": (_R, "vLLM's own exception handler reads it; vlguard's maps errors itself"),
-    "enable_ssl_refresh": (_R, _LAUNCHER + " (vlguard would keep the old certificate)"),
-    "enable_offline_docs": (_R, "vLLM's app builder serves the docs offline and vlguard does not run it yet"),
     "h11_max_header_count": (_R, _LAUNCHER),
 }  # fmt: skip
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from server import launcher
 from server.alignment import SCHEDULER_CLS
 from server.engine import parent_watch
 from server.engine.protocol import STATE_DIR_ENV, ServeSettings, new_state_dir
@@ -158,12 +159,15 @@ def keep_alive_timeout(settings: GuardSettings) -> int:
 def uvicorn_extras(args: argparse.Namespace) -> dict[str, Any]:
     """The ``vllm serve`` flags vLLM's launcher hands to uvicorn that vlguard's server honours the same way
     (:mod:`server.front_flags`): ``--ssl-ciphers`` when set, ``--h11-max-incomplete-event-size`` (vLLM's
-    default, 4 MiB, as stock passes it; it bounds a request's header block under the h11 parser)."""
+    default, 4 MiB, as stock passes it; it bounds a request's header block under the h11 parser), the log
+    configuration (``--log-config-file``, ``--disable-access-log-for-endpoints``: :mod:`server.launcher`)."""
     extras: dict[str, Any] = {}
     if args.ssl_ciphers:
         extras["ssl_ciphers"] = args.ssl_ciphers
     if args.h11_max_incomplete_event_size is not None:
         extras["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+    if (log_config := launcher.uvicorn_log_config(args)) is not None:
+        extras["log_config"] = log_config
     return extras
 
 
@@ -200,12 +204,30 @@ class _Server(uvicorn.Server):
     starts uvicorn's shutdown (stop accepting, close idle connections, drain) ``delay_s`` seconds after the
     first signal (``--guard-shutdown-delay``; at once on a second signal)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_signal: Callable[[], None],
+        delay_s: float = 0.0,
+        args: argparse.Namespace | None = None,
+    ) -> None:
         super().__init__(config)
         self.on_signal = on_signal
         self.delay_s = delay_s
+        self.args = args
         self.signals: list[int] = []
         self._delayed: threading.Timer | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's ``serve``, with ``--enable-ssl-refresh``'s certificate refresher running meanwhile."""
+        if not self.config.loaded:
+            self.config.load()
+        refresher = launcher.start_ssl_refresh(self.config, self.args) if self.args is not None else None
+        try:
+            await super().serve(sockets)
+        finally:
+            if refresher is not None:
+                refresher.stop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
@@ -290,7 +312,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         http=http_protocol(settings.header_timeout),  # a request's headers within --guard-header-timeout
         **uvicorn_extras(args),
     )
-    server = _Server(config, on_signal=supervisor.request_stop, delay_s=settings.shutdown_delay)
+    server = _Server(config, on_signal=supervisor.request_stop, delay_s=settings.shutdown_delay, args=args)
 
     def give_up() -> None:
         server.should_exit = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -23,6 +23,8 @@ from server.guard.engine_client import ENGINE_ENTERED
 from server.guard.errors import GuardError, raised_in
 
 logger = logging.getLogger(__name__)
+
+Handler = Callable[[Request, Exception], Awaitable[JSONResponse]]
 
 #: Seconds a client is told to wait before retrying a 503.
 RETRY_AFTER_S = 5
@@ -213,8 +215,19 @@ async def _on_assertion(request: Request, exc: Exception) -> JSONResponse:
     return await _on_other(request, exc)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Register the exception map on ``app``.
+def _logging_stack(handler: Handler) -> Handler:
+    """``handler`` that first logs the exception with its stack (``--log-error-stack``, as vLLM's handlers)."""
+
+    async def logged(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s caught on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+        return await handler(request, exc)
+
+    return logged
+
+
+def install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
+    """Register the exception map on ``app`` (over any handler it had for the same exception); with
+    ``log_error_stack`` (``--log-error-stack``), every handled exception is logged with its stack first.
 
     | exception | status |
     |---|---|
@@ -236,10 +249,13 @@ def install_error_handlers(app: FastAPI) -> None:
     import vllm.exceptions as vllm_errors
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    app.add_exception_handler(RequestValidationError, _on_validation)
-    app.add_exception_handler(StarletteHTTPException, _on_http)
-    app.add_exception_handler(GuardError, _on_guard)
-    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    def add(error: type[Exception], handler: Handler) -> None:
+        app.add_exception_handler(error, _logging_stack(handler) if log_error_stack else handler)
+
+    add(RequestValidationError, _on_validation)
+    add(StarletteHTTPException, _on_http)
+    add(GuardError, _on_guard)
+    add(EngineDeadError, _on_engine_dead)
     # KeyError ... NotImplementedError: a client's when raised parsing the body (above), else a 500 logged
     client_errors: list[type[Exception]] = [ValueError, TypeError, KeyError, IndexError, AttributeError]
     client_errors += [OverflowError, NotImplementedError]
@@ -247,6 +263,6 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(found := getattr(vllm_errors, name, None), type):
             client_errors.append(found)
     for error in client_errors:
-        app.add_exception_handler(error, _on_other)
-    app.add_exception_handler(AssertionError, _on_assertion)
-    app.add_exception_handler(Exception, _on_other)
+        add(error, _on_other)
+    add(AssertionError, _on_assertion)
+    add(Exception, _on_other)

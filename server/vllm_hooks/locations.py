@@ -12,7 +12,12 @@ resolved here, newest location first, and nowhere else:
 - ``AuthenticationMiddleware``: ``vllm.entrypoints.openai.server_utils`` (0.20 - 0.22),
   ``vllm.entrypoints.serve.middleware.authenticate`` (0.32 - 0.34);
 - ``init_app_state``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22; 0.32 - 0.34 keep a deprecated
-  re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32 - 0.34).
+  re-export), ``vllm.entrypoints.launchers.api_server.app_state`` (0.32 - 0.34);
+- ``build_app``: ``vllm.entrypoints.openai.api_server`` (0.20 - 0.22), ``vllm.entrypoints.launchers.app`` (0.32 -);
+- vLLM's launcher helpers ``validate_api_server_args``, ``get_uvicorn_log_config``, ``SSLCertRefresher``:
+  ``vllm.entrypoints.openai.api_server``, ``.openai.server_utils``, ``vllm.entrypoints.ssl`` (0.20 - 0.22),
+  ``vllm.entrypoints.launchers.launcher``, ``.launchers.utils.server_utils``, ``.launchers.utils.ssl`` (0.32),
+  the first moved to ``vllm.entrypoints.common.cli_args`` in 0.34.
 
 vLLM's choice of multimodal processor cache type is the method
 ``vllm.multimodal.registry.MultiModalRegistry._get_cache_type(self, vllm_config)`` in 0.20 - 0.22 and the
@@ -66,6 +71,13 @@ MOVED: dict[str, tuple[str, ...]] = {
     ),
     "init_app_state": ("vllm.entrypoints.launchers.api_server.app_state", "vllm.entrypoints.openai.api_server"),
     "build_app": ("vllm.entrypoints.launchers.app", "vllm.entrypoints.openai.api_server"),
+    "validate_api_server_args": (
+        "vllm.entrypoints.common.cli_args",
+        "vllm.entrypoints.launchers.launcher",
+        "vllm.entrypoints.openai.api_server",
+    ),
+    "get_uvicorn_log_config": ("vllm.entrypoints.launchers.utils.server_utils", "vllm.entrypoints.openai.server_utils"),
+    "SSLCertRefresher": ("vllm.entrypoints.launchers.utils.ssl", "vllm.entrypoints.ssl"),
 }
 
 

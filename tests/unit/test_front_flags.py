@@ -20,12 +20,10 @@ def test_every_front_end_flag_of_this_vllm_is_classified() -> None:
     [
         ["--api-server-count", "2"],
         ["--headless"],
-        ["--middleware", "no.such.module.Middleware"],
-        ["--enable-request-id-headers"],
-        ["--enable-ssl-refresh"],
-        ["--enable-offline-docs"],
-        ["--tool-parser-plugin", "/tmp/plugin.py"],
-        ["--disable-access-log-for-endpoints", "/health"],
+        ["--grpc"],
+        ["--h11-max-header-count", "10"],
+        ["--middleware", "no.such.module.Middleware"],  # vLLM's builder would fail on it after the engine was built
+        ["--tool-parser-plugin", "/nonexistent/plugin.py"],
     ],
 )
 def test_a_flag_vlguard_cannot_honour_is_refused_at_start(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,6 +49,9 @@ def test_launcher_flags_vlguard_honours_reach_its_uvicorn() -> None:
 
 def test_honoured_and_default_flags_start() -> None:
     args, _ = resolve_serve_args(["serve", "m", "--api-server-count", "1", "--enable-server-load-tracking",
-                                  "--allowed-origins", '["https://a.example"]', "--root-path", "/x"])  # fmt: skip
-    assert args.enable_server_load_tracking and args.root_path == "/x"
+                                  "--allowed-origins", '["https://a.example"]', "--root-path", "/x",
+                                  "--enable-request-id-headers", "--enable-offline-docs", "--log-error-stack",
+                                  "--enable-ssl-refresh", "--disable-access-log-for-endpoints", "/health",
+                                  "--middleware", "tests.api.test_front_parity.TaggingMiddleware"])  # fmt: skip
+    assert args.enable_server_load_tracking and args.root_path == "/x" and args.enable_request_id_headers
     assert all(kind in FlagKind for kind, _ in FRONT_FLAGS.values())

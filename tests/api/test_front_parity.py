@@ -1,0 +1,90 @@
+"""#46: the front-end flags vLLM's app builder reads behave as stock, because vlguard serves the app
+``build_app`` makes (:mod:`server.api.stock_app`): each checked over HTTP, in-process."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tests.inprocess import Api
+
+KEY = "sk-parity"
+
+
+class TaggingMiddleware:
+    """A ``--middleware`` class: tags every response it sees."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-parity-middleware", b"seen")]
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+async def test_middleware_runs_on_vllms_routes(make_api: Any) -> None:
+    api: Api = await make_api("--middleware", f"{__name__}.TaggingMiddleware")
+    resp = await api.client.get("/v1/models")
+    assert resp.status_code == 200 and resp.headers["x-parity-middleware"] == "seen"
+    body = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await api.client.post("/v1/chat/completions", json=body)).headers["x-parity-middleware"] == "seen"
+
+
+async def test_request_id_headers(make_api: Any, api: Api) -> None:
+    assert "x-request-id" not in (await api.client.get("/v1/models")).headers  # off by default, as stock
+    with_ids: Api = await make_api("--enable-request-id-headers")
+    assert (await with_ids.client.get("/v1/models")).headers["x-request-id"]
+    resp = await with_ids.client.get("/v1/models", headers={"X-Request-Id": "abc-1"})
+    assert resp.headers["x-request-id"] == "abc-1"  # vLLM's middleware echoes the client's
+
+
+async def test_docs_as_stock(make_api: Any, api: Api) -> None:
+    online = await api.client.get("/docs")
+    assert online.status_code == 200 and "cdn.jsdelivr.net" in online.text
+    assert "/v1/chat/completions" in (await api.client.get("/openapi.json")).json()["paths"]
+    offline: Api = await make_api("--enable-offline-docs")
+    resp = await offline.client.get("/docs")
+    assert resp.status_code == 200 and "cdn.jsdelivr.net" not in resp.text, resp.text[:300]
+    none: Api = await make_api("--disable-fastapi-docs")
+    assert (await none.client.get("/docs")).status_code == 404
+    assert (await none.client.get("/openapi.json")).status_code == 404
+
+
+async def test_api_key_on_v1_reads(make_api: Any) -> None:
+    api: Api = await make_api("--api-key", KEY)
+    assert (await api.client.get("/v1/models")).status_code == 401
+    assert (await api.client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
+    assert (await api.client.get("/health")).status_code == 200  # probes stay open, as stock
+
+
+async def test_server_load_tracking(make_api: Any) -> None:
+    api: Api = await make_api("--enable-server-load-tracking")
+    resp = await api.client.get("/load")
+    assert resp.status_code == 200 and resp.json() == {"server_load": 0}
+
+
+@pytest.mark.parametrize("flag", [(), ("--log-error-stack",)])
+async def test_log_error_stack(make_api: Any, flag: tuple[str, ...], caplog: pytest.LogCaptureFixture) -> None:
+    api: Api = await make_api(*flag)
+    with caplog.at_level(logging.ERROR, logger="server.api.errors"):
+        resp = await api.client.post("/v1/chat/completions", json={"model": api.model, "messages": "x"})
+    assert resp.status_code == 400
+    stacks = [r for r in caplog.records if r.name == "server.api.errors" and r.exc_info]
+    assert bool(stacks) == bool(flag), [r.getMessage() for r in caplog.records]
+
+
+async def test_an_engine_error_does_not_stop_the_server(api: Api) -> None:
+    """vLLM's own handler stops the server on an engine error; vlguard's map answers it and serves on."""
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    stock = api.app.router.default.app
+    handlers = stock.exception_handlers
+    assert all(not str(getattr(h, "__module__", "")).startswith("vllm.") for h in handlers.values())
+    assert EngineGenerateError not in handlers  # left to vlguard's catch-all: vLLM's status, no shutdown
