@@ -140,5 +140,6 @@ def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[s
         "engine": engine_config(args, settings),
         "vlguard_changes": vllm_changes(args, settings),
         "frontend": {"host": args.host, "port": args.port, "served_model_name": args.served_model_name},
+        "front_differences": front_flags.DIFFERENCES,
         "guard": settings.model_dump(),
     }

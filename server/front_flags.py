@@ -89,3 +89,25 @@ def refused(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> 
         if kind is _R and value != default and not (dest == "api_server_count" and value in (None, 1)):
             lines.append(f"--{dest.replace('_', '-')} {value!r}: {why}")
     return lines
+
+
+#: Where vlguard's front end differs from ``vllm serve``'s on purpose, each with why: what ``--print-config``
+#: shows under ``front_differences`` and the start-up log names (the README's table says the same).
+DIFFERENCES: dict[str, str] = {
+    "keep_alive": "idle keep-alive 75 s, not 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE or --guard-keep-alive-timeout set it): "
+    "a pooling proxy reuses connections after its own idle timeout, 60 s typically",
+    "shutdown": "SIGTERM drains in-flight requests for 30 s (--shutdown-timeout, --guard-drain-timeout), not abort",
+    "health": "/health (and /ping) is liveness, 200 while the guard can recover the engine; /ready is readiness",
+    "errors": "vlguard's exception map replaces vLLM's handlers: a client's bad input is 4xx where vLLM answers "
+    "some 500, an engine death is 503 + Retry-After and the server serves on (vLLM's handler stops it)",
+    "routes": "internal and operator POST routes, and POST routes vlguard does not know yet, are 404 "
+    "(server/api/routes.py)",
+    "api_key": "with --api-key every request with a body needs the key, refused before its body is read "
+    "(vLLM: /v1 only)",
+    "headers": "a repeated Authorization, X-Request-Id or Content-Type header is 400; a request's headers must "
+    "arrive within --guard-header-timeout",
+    "door": "request bodies, media, prompt length and known poison are bounded before vLLM sees them "
+    "(docs/input.md): 4xx in the OpenAI error envelope",
+    "middleware_order": "vLLM's app, its middleware (--middleware, request-id headers) included, runs behind "
+    "vlguard's shell: a request the shell refuses never reaches it",
+}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from server import launcher
+from server import front_flags, launcher
 from server.alignment import SCHEDULER_CLS
 from server.engine import parent_watch
 from server.engine.protocol import STATE_DIR_ENV, ServeSettings, new_state_dir
@@ -261,6 +261,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     from server.vllm_hooks import missing_hooks
 
     _configure_logging()
+    differences = ", ".join(front_flags.DIFFERENCES)
+    logger.info("differs from vllm serve on purpose in: %s (--print-config says why)", differences)
     try:
         sock = listen_socket(args)
     except OSError as exc:

@@ -43,6 +43,7 @@ def test_production_line_prints_config_without_loading(tmp_path: Path) -> None:
     assert engine["additional_config"] == {"vlguard_deepstack_patches": "v1"}
     changes = cfg["vlguard_changes"]  # every change to vLLM's behaviour, one line each
     assert set(changes) == {"scheduler_cls", "additional_config", "mm_processor_cache_type", "model", "compile_cache"}
+    assert {"keep_alive", "shutdown", "errors", "routes"} <= set(cfg["front_differences"])  # each with why
     assert changes["mm_processor_cache_type"].startswith("lru (shm becomes lru), its API half kept")
 
 
