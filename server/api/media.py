@@ -248,24 +248,65 @@ def strip_client_uuids(body: dict[str, Any]) -> int:
     return dropped
 
 
-def _decode_data_uri(where: str, url: str, limits: MediaLimits) -> tuple[str, bytes]:
-    header, sep, payload = url[len("data:") :].partition(",")
-    if not sep or not header.endswith(";base64"):
+#: Base64 characters of a ``data:`` image the door decodes to read its header (48 KiB of image): the
+#: header of a PNG (up to its pixel data) or a JPEG (up to its scan) almost always lies inside it.
+HEADER_CHARS = 65536
+
+
+def _image_header(where: str, url: str, limits: MediaLimits) -> tuple[ImageHeader, bytes | None]:
+    """The header of a ``data:`` image (:func:`check_image_bytes` without the checksums, which vLLM's media
+    layer verifies where it loads the image) read from the start of its data, and its whole data only
+    when a normalisation rule applies (``None`` otherwise). Where the start does not hold the header,
+    the whole data is decoded and read.
+
+    Raises:
+        MediaError: as :func:`_decode_data_uri` and :func:`check_image_bytes`.
+    """
+    _, at = _data_uri_payload(where, url, limits)
+    if len(url) - at > HEADER_CHARS:
+        try:
+            start = pybase64.b64decode(url[at : at + HEADER_CHARS], validate=True)
+            header = check_image_bytes(where, start, limits, rules=True, checksums=False)
+        except (MediaError, binascii.Error, ValueError):
+            pass  # the header runs past the start (or the start is not base64): read the whole below
+        else:
+            return header, (_decode_payload(where, url, at) if header.rules else None)
+    data = _decode_payload(where, url, at)
+    header = check_image_bytes(where, data, limits, rules=True, checksums=False)
+    return header, data if header.rules else None
+
+
+def _data_uri_payload(where: str, url: str, limits: MediaLimits) -> tuple[str, int]:
+    """A ``data:`` URI's MIME type and where its base64 payload starts, its form and size checked (nothing
+    decoded, nothing copied: a payload is up to the body's size)."""
+    comma = url.find(",", len("data:"))
+    header = url[len("data:") : comma] if comma >= 0 else ""
+    if comma < 0 or not header.endswith(";base64"):
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: malformed data URI (expected data:<type>;base64,<data>)")
-    if not payload.strip():
+    size = len(url) - comma - 1
+    if size == 0 or (url[comma + 1].isspace() and url[comma + 1 :].isspace()):  # copied only when it may be
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: empty data URI (no data after the comma)")
-    if len(payload) * 3 // 4 > limits.max_image_bytes:
+    if size * 3 // 4 > limits.max_image_bytes:
         raise MediaError(
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            f"{where}: media is {len(payload) * 3 // 4} bytes, more than the limit of {limits.max_image_bytes}",
+            f"{where}: media is {size * 3 // 4} bytes, more than the limit of {limits.max_image_bytes}",
         )
+    return header.removesuffix(";base64"), comma + 1
+
+
+def _decode_payload(where: str, url: str, at: int) -> bytes:
+    payload = url[at:]
     try:
-        data = pybase64.b64decode(payload, validate=True)
+        return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError(
             HTTPStatus.BAD_REQUEST, f"{where}: invalid base64 in data URI ({_base64_error(payload)})"
         ) from None
-    return header.removesuffix(";base64"), data
+
+
+def _decode_data_uri(where: str, url: str, limits: MediaLimits) -> tuple[str, bytes]:
+    mime, at = _data_uri_payload(where, url, limits)
+    return mime, _decode_payload(where, url, at)
 
 
 def _base64_error(payload: str) -> str:
@@ -287,10 +328,13 @@ class ImageHeader(NamedTuple):
     pixels: int
 
 
-def check_image_bytes(where: str, data: bytes, limits: MediaLimits, rules: bool = False) -> ImageHeader:
-    """Check an encoded image from its header and its container's checksums (no pixel decoding; Pillow's
-    ``verify()``: for PNG every chunk's CRC, so corrupt pixel data is refused here on every vLLM version,
-    where some versions' loaders would decode it into wrong pixels).
+def check_image_bytes(
+    where: str, data: bytes, limits: MediaLimits, rules: bool = False, checksums: bool = True
+) -> ImageHeader:
+    """Check an encoded image from its header and, with ``checksums``, its container's checksums (no pixel
+    decoding; Pillow's ``verify()``: for PNG every chunk's CRC, so corrupt pixel data is refused on every vLLM
+    version, where some versions' loaders would decode it into wrong pixels). The door reads the header
+    only; the checksums are verified once, where vLLM loads the image (the media policy in its connector).
 
     Returns:
         the image's :class:`ImageHeader`; its ``rules`` are read only when ``rules`` and
@@ -306,7 +350,8 @@ def check_image_bytes(where: str, data: bytes, limits: MediaLimits, rules: bool 
             width, height = img.size
             mime = Image.MIME.get(img.format or "", "application/octet-stream")
             applying = needs_normalizing(img, limits.upstream_rules) if rules and limits.normalize else []
-            img.verify()
+            if checksums:
+                img.verify()
     except Image.DecompressionBombError as exc:
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: image refused as a decompression bomb ({exc})") from None
     except Exception as exc:  # Pillow's parsers raise OSError, SyntaxError, ValueError, EOFError, struct.error...
@@ -368,8 +413,8 @@ def check_media(
     """Check ``body``'s media without decoding any pixels: first the number of items per modality against
     ``item_limits`` (:func:`count_items`, before anything is decoded), then, given the server's
     ``pixel_bounds``, its ``mm_processor_kwargs`` (503 while they are :data:`BOUNDS_PENDING`), then every
-    part: URL scheme, base64, size, and for images the header and checksums (under a millisecond an
-    image). Nothing in ``body`` is changed.
+    part: URL scheme, base64, size, and for images the header (pixels, aspect ratio, normalisation rules;
+    the checksums are verified where vLLM loads the image). Nothing in ``body`` is changed.
 
     Returns:
         the parts checked and, with ``limits.normalize``, the ``data:`` images a normalisation rule applies
@@ -393,14 +438,14 @@ def check_media(
         where, kind, url = part.where, part.kind, part.url
         count += 1
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-        if scheme == "data":
+        if scheme == "data" and part.is_image:  # an unchanged image keeps its URI (no re-encoding)
+            header, whole = _image_header(where, url, limits)
+            if whole is not None:
+                pending.append(PendingImage(part, whole, header.pixels))
+        elif scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
-            if part.is_image:  # an unchanged image keeps its URI (no re-encoding)
-                header = check_image_bytes(where, data, limits, rules=True)
-                if header.rules:
-                    pending.append(PendingImage(part, data, header.pixels))
-            elif mime.startswith("image/"):
-                check_image_bytes(where, data, limits)
+            if mime.startswith("image/"):
+                check_image_bytes(where, data, limits, checksums=False)
         elif scheme in ("http", "https"):
             if not limits.remote_media:
                 raise MediaError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import functools
 import hashlib
 import ipaddress
 import time
@@ -69,6 +70,7 @@ def client_key(scope: Scope, keys: int) -> str:
     return address_key(client[0] if client else "")
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the host, asked on every request
 def address_key(host: str) -> str:
     """``"addr:<IPv4>"``, ``"addr:<IPv6 /64>"``, or "" for a loopback (IPv4-mapped too) or unparsable host."""
     try:

@@ -11,6 +11,8 @@ errors carry the fingerprint only.
 
 from __future__ import annotations
 
+import array
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
@@ -30,6 +32,15 @@ __all__ = ["Quarantine", "QuarantinedRequestError", "fingerprint"]
 CONTENT_FIELDS = ("structured_outputs", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words")
 
 
+def _token_bytes(ids: Any) -> bytes:
+    """Token ids as bytes: a list of ints packed at C speed (its ``repr`` took ~0.1 ms for 1,500 tokens);
+    anything else by its ``repr``, which an int list's packing never equals (different length or bytes)."""
+    if isinstance(ids, list):
+        with contextlib.suppress(TypeError, OverflowError):
+            return b"i64:" + array.array("q", ids).tobytes()
+    return repr(ids).encode()
+
+
 def fingerprint(prompt: Any, sampling_params: Any) -> str:
     """A short, stable id of a request's engine-side content.
 
@@ -43,7 +54,7 @@ def fingerprint(prompt: Any, sampling_params: Any) -> str:
     """
     h = hashlib.sha256()
     if isinstance(prompt, dict):
-        h.update(repr(prompt.get("prompt_token_ids")).encode())
+        h.update(_token_bytes(prompt.get("prompt_token_ids")))
         h.update(repr(prompt.get("mm_hashes")).encode())
         h.update(repr(prompt.get("prompt")).encode() if "prompt_token_ids" not in prompt else b"")
     else:

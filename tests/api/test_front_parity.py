@@ -88,3 +88,16 @@ async def test_an_engine_error_does_not_stop_the_server(api: Api) -> None:
     handlers = stock.exception_handlers
     assert all(not str(getattr(h, "__module__", "")).startswith("vllm.") for h in handlers.values())
     assert EngineGenerateError not in handlers  # left to vlguard's catch-all: vLLM's status, no shutdown
+
+
+async def test_cors_once_on_vllms_routes_and_on_the_doors_refusals(make_api: Any) -> None:
+    """CORS comes from vlguard's shell (vLLM's app leaves its own out): one set of headers on vLLM's
+    routes, and the same on a refusal of the door, which vLLM's app never sees."""
+    api: Api = await make_api("--allowed-origins", '["https://ui.example"]')
+    origin = {"Origin": "https://ui.example"}
+    resp = await api.client.get("/v1/models", headers=origin)
+    assert resp.headers.get_list("access-control-allow-origin") == ["https://ui.example"]
+    nan = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    door = await api.client.post("/v1/chat/completions", content=nan, headers=origin)
+    assert door.status_code == 400 and "not a finite JSON number" in door.json()["error"]["message"]
+    assert door.headers.get_list("access-control-allow-origin") == ["https://ui.example"]

@@ -189,3 +189,37 @@ def test_server_bounds_come_from_the_processor_config_then_the_operator() -> Non
     qwen2 = {"min_pixels": 3136, "max_pixels": 12845056, "size": {"shortest_edge": 1, "longest_edge": 2}}
     assert server_pixel_bounds(qwen2, {}) == PixelBounds(3136, 12845056)  # the processor's own precedence
     assert server_pixel_bounds({"crop_size": 336}, None) is None  # not a pixel-bounded processor
+
+
+def _noisy_png(w: int, h: int, mode: str = "RGB", text: int = 0) -> bytes:
+    """A PNG of random pixels (it does not compress: its data runs past the door's header read), with a
+    ``text``-byte tEXt chunk before its pixel data."""
+    import os
+
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    if text:
+        info.add_text("note", "n" * text)
+    buf = io.BytesIO()
+    Image.frombytes(mode, (w, h), os.urandom(w * h * len(mode))).save(buf, "PNG", pnginfo=info)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("text", [0, 200_000])  # the header inside the door's first read, and past it
+def test_a_large_images_header_is_read_wherever_it_ends(text: int) -> None:
+    """The door reads an image's header from the start of its data (a decoded prefix) when it is there,
+    else from the whole: the same verdicts either way, and the whole data for an image to normalise."""
+    limits = dataclasses.replace(LIMITS, max_image_bytes=4 << 20, normalize=True)
+    plain, alpha = _noisy_png(300, 200, text=text), _noisy_png(300, 200, "LA", text=text)
+    assert len(base64.b64encode(plain)) > 65536
+    as_uri = "data:image/png;base64,{}".format
+    assert check_media(_chat({"type": "image_url", "image_url": {"url": as_uri(base64.b64encode(plain).decode())}}),
+                       limits) == (1, ())  # fmt: skip
+    [pending] = check_media(
+        _chat({"type": "image_url", "image_url": {"url": as_uri(base64.b64encode(alpha).decode())}}), limits
+    ).pending
+    assert (pending.pixels, pending.data) == (60_000, alpha)
+    big = _noisy_png(1200, 1000, text=text)  # 1.2 MP, above the 1 MP limit
+    with pytest.raises(MediaError, match="pixels"):
+        check_media(_chat({"type": "image_url", "image_url": {"url": as_uri(base64.b64encode(big).decode())}}), limits)
