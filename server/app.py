@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -63,13 +62,6 @@ def _add_cors(app: FastAPI, args: argparse.Namespace) -> None:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
-
-
-async def _log_stats_forever(client: GuardedEngineClient, interval_s: float) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        with contextlib.suppress(Exception):  # an engine between lives has no stats to log
-            await client.do_log_stats()
 
 
 async def _report_state_forever(supervisor: Supervisor, notifier: Notifier) -> None:
@@ -142,8 +134,6 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from vllm.utils.gc_utils import freeze_gc_heap
-
         notifier.status("loading engine")
         async with supervisor.running():
             client = GuardedEngineClient(supervisor)
@@ -155,21 +145,17 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
             app.state.poison_rules = poison_rules(client.model_config, client.vllm_config, _tokenizer(client))
             background = [asyncio.create_task(notifier.watchdog_forever(supervisor.healthy))]
             background.append(asyncio.create_task(_report_state_forever(supervisor, notifier)))
-            if not args.disable_log_stats:
-                import vllm.envs as envs
-
-                background.append(asyncio.create_task(_log_stats_forever(client, envs.VLLM_LOG_STATS_INTERVAL)))
-            # As vllm serve does: move the startup heap (engine client, processors, routes) out of the
-            # collector's reach, so full collections under load do not walk it. Without this the API
-            # process spent 21.1 vs stock's 17.2 ms CPU per image request (docs/benchmarks.md).
-            freeze_gc_heap()
-            notifier.ready()
-            try:
-                yield
-            finally:
-                notifier.stopping()
-                for task in background:
-                    task.cancel()
+            # vLLM's app's own lifespan, as vllm serve runs it: its stats logging (unless --disable-log-stats),
+            # the start-up heap moved out of the collector's reach (without it the API process spent 21.1
+            # vs stock's 17.2 ms CPU per image request: docs/benchmarks.md), its shutdown hooks
+            async with vllm_app.router.lifespan_context(vllm_app):
+                notifier.ready()
+                try:
+                    yield
+                finally:
+                    notifier.stopping()
+                    for task in background:
+                        task.cancel()
 
     # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
     media = MediaPolicy.of(settings, args)

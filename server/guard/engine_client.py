@@ -352,6 +352,12 @@ class GuardedEngineClient:
     def is_stopped(self) -> bool:
         return self._port.state in (EngineState.STOPPED, EngineState.FAILED)
 
+    async def do_log_stats(self) -> None:
+        """The current engine's stats logged (vLLM's app logs them every ``VLLM_LOG_STATS_INTERVAL`` s);
+        nothing while there is none, never an exception (it would end vLLM's logging task for good)."""
+        with contextlib.suppress(Exception):
+            await self._port.latest_engine.do_log_stats()
+
     def __getattr__(self, name: str) -> Any:
         # Everything else (model_config, renderer, input_processor, vllm_config, get_supported_tasks,
         # check_health, do_log_stats, ...) is the engine's own: the latest one built, so that the serving

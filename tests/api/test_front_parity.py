@@ -101,3 +101,28 @@ async def test_cors_once_on_vllms_routes_and_on_the_doors_refusals(make_api: Any
     door = await api.client.post("/v1/chat/completions", content=nan, headers=origin)
     assert door.status_code == 400 and "not a finite JSON number" in door.json()["error"]["message"]
     assert door.headers.get_list("access-control-allow-origin") == ["https://ui.example"]
+
+
+async def test_vllms_app_lifespan_runs_inside_vlguards(engine_parts: Any) -> None:
+    """vLLM's app's own lifespan (stats logging, the start-up heap frozen, its shutdown hooks) runs inside
+    vlguard's, as vllm serve runs it: it ends by dropping the app's state."""
+    from tests.inprocess import running_api
+
+    async with running_api(engine_parts) as api:
+        vllm_app = api.app.router.default.app
+        assert vllm_app.state.engine_client is not None
+        assert (await api.client.get("/v1/models")).status_code == 200
+    assert not hasattr(vllm_app, "state")
+
+
+async def test_stats_logging_survives_an_engine_between_lives() -> None:
+    from server.guard.engine_client import GuardedEngineClient
+
+    class Dead:
+        async def do_log_stats(self) -> None:
+            raise RuntimeError("engine dead")
+
+    class Port:
+        latest_engine = Dead()
+
+    await GuardedEngineClient(Port()).do_log_stats()  # type: ignore[arg-type]  # never raises

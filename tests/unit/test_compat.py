@@ -19,7 +19,7 @@ from tests.lanes import VLLM_VERSION
 #: vLLM version -> whether the OpenAI front end has moved to its 0.32 layout.
 NEW_LAYOUT = {"0.20.0": False, "0.22.1": False, "0.32.0": True, "0.34.0": True}
 #: names that moved again in 0.34 (0.32 has them at their second location)
-MOVED_IN_034 = {"make_arg_parser", "validate_parsed_serve_args"}
+MOVED_IN_034 = {"make_arg_parser", "validate_parsed_serve_args", "validate_api_server_args"}
 
 
 @pytest.mark.parametrize("name", sorted(compat.MOVED))
