@@ -168,7 +168,7 @@ def serve(system: str, model: str, port: int, flags: list[str]) -> None:
     args, settings, engine = _parts(model, flags, guard)
     app = _vlguard_app(args, settings, engine) if guard else _stock_app(args, engine)
     if trace := os.environ.get(phase_trace.ENV):
-        phase_trace.install(trace)
+        phase_trace.install(trace, guard=guard)  # vlguard's door and engine client too
         phase_trace.trace_engine_client(NullEngine)
     # The same HTTP server settings for both: no access log (its cost would only blur the comparison).
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

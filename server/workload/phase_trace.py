@@ -212,8 +212,12 @@ _GUARD_POINTS = (
 )
 
 
-def install(path: str) -> list[str]:
+def install(path: str, guard: bool | None = None) -> list[str]:
     """Wrap every point this process has and open ``path`` for appending. Idempotent.
+
+    Arguments:
+        guard: whether vlguard's own points are wrapped too; None: where vlguard serves (``server.cli`` is
+            loaded), as the plugin decides.
 
     Returns:
         ``module.Class.method`` of each point wrapped.
@@ -222,7 +226,9 @@ def install(path: str) -> list[str]:
     if _sink is not None:
         return []
     _sink = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the process's life
-    points = [*_POINTS, *(_GUARD_POINTS if "server.cli" in sys.modules else ())]
+    if guard is None:
+        guard = "server.cli" in sys.modules
+    points = [*_POINTS, *(_GUARD_POINTS if guard else ())]
     wrapped = []
     for point in points:
         try:

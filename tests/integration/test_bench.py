@@ -103,3 +103,18 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
     assert "TTFT phase (streamed requests)" in proc.stdout
     assert "vlguard's own code on the way to the first token" in proc.stdout
     _assert_png(tmp_path / "compare-overhead-latency.png")
+
+
+def test_front_scenario_measures_both_apps_and_vlguards_own_code(tiny_model: Path, tmp_path: Path) -> None:
+    """``--scenario front`` (no engine core: three API processes over the null engine): every request
+    served by each, the ratios finite, and vlguard's own code found in its phase trace (door, engine
+    client), which a change to how the front process is assembled once left silently empty."""
+    proc = _bench("compare", str(tiny_model), "--scenario", "front", "--rounds", "2", "--warmup", "0",
+                  "--pairs", "2", "--concurrency", "2", "--out", str(tmp_path), "--no-progress",
+                  "--", "--config", str(TINY_PROFILE), timeout_s=600)  # fmt: skip
+    assert "vlguard/stock" in proc.stdout and "own code" in proc.stdout, proc.stdout[-2000:]
+    data = json.loads((tmp_path / "compare-front.json").read_text())
+    assert set(data["failed"].values()) == {0}, data["failed"]
+    ratio, (low, high) = data["ratio"]
+    assert 0 < low <= ratio <= high and math.isfinite(high), data["ratio"]
+    assert set(data["own_ms"]) == set(report.GUARD_OWN_PHASES), data["own_ms"]
