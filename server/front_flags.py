@@ -92,7 +92,8 @@ def refused(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> 
 
 
 #: Where vlguard's front end differs from ``vllm serve``'s on purpose, each with why: what ``--print-config``
-#: shows under ``front_differences`` and the start-up log names (the README's table says the same).
+#: shows under ``front_differences`` and the start-up log names (the README's table of differences lists
+#: these and the engine side's, ``server.serve.vllm_changes``).
 DIFFERENCES: dict[str, str] = {
     "keep_alive": "idle keep-alive 75 s, not 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE or --guard-keep-alive-timeout set it): "
     "a pooling proxy reuses connections after its own idle timeout, 60 s typically",
@@ -109,5 +110,13 @@ DIFFERENCES: dict[str, str] = {
     "door": "request bodies, media, prompt length and known poison are bounded before vLLM sees them "
     "(docs/input.md): 4xx in the OpenAI error envelope",
     "middleware_order": "vLLM's app, its middleware (--middleware, request-id headers) included, runs behind "
-    "vlguard's shell: a request the shell refuses never reaches it",
+    "vlguard's shell: a request the shell refuses, and the shell's own routes (/health, /ping, /ready, /metrics, "
+    "/version, /admin), never reach it",
+    "images": "EXIF orientation, transparency on white and 16-bit scaling applied where the installed vLLM "
+    "lacks them (docs/input.md)",
+    "media": "every media item vLLM loads meets the media policy in its connector: schemes, remote media, "
+    "pixels, frames, media_io_kwargs; a part's uuid is dropped (--guard-trust-client-uuids keeps it)",
+    "refused_inputs": "image_embeds, audio_embeds and image_pil parts, and structured-output constraints the "
+    "engine's backend would crash on, are 400",
+    "admin": "/admin/quarantine lists and clears quarantined fingerprints (closed without a key)",
 }
