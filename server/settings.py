@@ -56,6 +56,16 @@ class GuardSettings(BaseSettings):
     """Most values (array items and object members, counted by their commas) one request body may hold;
     more gets 413 before it is parsed. A prompt of token ids needs one per token; an image is one."""
 
+    max_json_objects: int = Field(default=10_000, ge=100)
+    """Most JSON objects (messages, content parts, tools and their schemas, at any depth) one request body may
+    hold; more gets 413, counted off the event loop for a large body. vLLM parses and validates the body on
+    the event loop, about 6 us an object: 450,000 empty messages held /health for 5 s."""
+
+    max_sequences: int = Field(default=16, ge=1)
+    """Most sequences one generation request may ask the engine for: ``n`` (or ``best_of``) times the prompts
+    of a batched completions request; more gets 400. The engine serves sequences first come, first served:
+    one request with n=4000 kept every other client waiting 97 s."""
+
     inflight_share: float = Field(default=0.25, gt=0, le=1)
     """Fraction of --guard-max-inflight one client's requests may hold at once (a client as for
     --guard-body-share; at least one); one more gets 429 + Retry-After for that client alone, so one client's

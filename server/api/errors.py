@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -225,6 +225,20 @@ def _logging_stack(handler: Handler) -> Handler:
     return logged
 
 
+def _for_websockets(handler: Handler) -> Handler:
+    """``handler`` for HTTP requests; a websocket whose route raised is closed instead (1011, the error
+    logged): Starlette hands websocket errors to the same handlers, which answer HTTP."""
+
+    async def either(conn: Request, exc: Exception) -> JSONResponse:
+        if isinstance(conn, WebSocket):
+            logger.warning("%s on websocket %s: closed", type(exc).__name__, conn.url.path, exc_info=exc)
+            await conn.close(code=1011)
+            return None  # type: ignore[return-value]  # Starlette sends nothing more for a websocket
+        return await handler(conn, exc)
+
+    return either
+
+
 def install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
     """Register the exception map on ``app`` (over any handler it had for the same exception); with
     ``log_error_stack`` (``--log-error-stack``), every handled exception is logged with its stack first.
@@ -250,7 +264,7 @@ def install_error_handlers(app: FastAPI, log_error_stack: bool = False) -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     def add(error: type[Exception], handler: Handler) -> None:
-        app.add_exception_handler(error, _logging_stack(handler) if log_error_stack else handler)
+        app.add_exception_handler(error, _for_websockets(_logging_stack(handler) if log_error_stack else handler))
 
     add(RequestValidationError, _on_validation)
     add(StarletteHTTPException, _on_http)

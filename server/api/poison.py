@@ -100,6 +100,31 @@ def check_prompt_length(body: dict[str, Any], rules: PoisonRules | None) -> None
         )
 
 
+def sequences(body: dict[str, Any]) -> int:
+    """The sequences a generation body asks for: ``n`` (or ``best_of``, the larger) times its prompts (a
+    completions ``prompt`` list of strings or of token-id lists is a batch; a list of token ids is one)."""
+    asked = [v for v in (body.get("n"), body.get("best_of")) if isinstance(v, int) and not isinstance(v, bool)]
+    per_prompt = max([1, *asked])
+    prompt = body.get("prompt")
+    batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return per_prompt * batch
+
+
+def check_sequences(body: dict[str, Any], max_sequences: int) -> None:
+    """Refuse a generation request that asks for more than ``max_sequences`` sequences (:func:`sequences`).
+
+    Raises:
+        MediaError: 400 naming the count and the bound.
+    """
+    if (asked := sequences(body)) > max_sequences:
+        raise MediaError(
+            HTTPStatus.BAD_REQUEST,
+            f"the request asks for {asked} sequences (n or best_of, times the prompts of a batch), more than "
+            f"this server's limit of {max_sequences} per request: send fewer, or several requests",
+            reason="too_many_sequences",
+        )
+
+
 def _refuse(message: str) -> MediaError:
     return MediaError(HTTPStatus.BAD_REQUEST, message, reason="poison")
 

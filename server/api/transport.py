@@ -9,8 +9,9 @@ before anything reads them or its body.
 - With API keys (``--api-key``), a request that carries a body (POST, PUT, PATCH) needs a valid key on
   every route, not only under ``/v1`` as vLLM's middleware asks (``/tokenize``, ``/detokenize``, the
   render routes and anything a later vLLM adds took input without a key): refused with 401 before its
-  body is read, so an anonymous client holds none of the body budget. The operator routes keep their own
-  key (:mod:`server.api.admin`).
+  body is read, so an anonymous client holds none of the body budget; and, as vLLM's middleware asks, any
+  other request under ``/v1`` but a CORS preflight, refused here in the OpenAI envelope (vLLM's says
+  ``{"error": "Unauthorized"}``). The operator routes keep their own key (:mod:`server.api.admin`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,19 @@ def bearer_matches(header: str, keys: Sequence[str]) -> bool:
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
+def _needs_key(method: str, path: str) -> bool:
+    """Whether a request needs the API key here: one with a body anywhere, and any other under ``/v1`` but a
+    CORS preflight (as vLLM's own middleware asks, answered here in the envelope); the operator routes keep
+    their own key."""
+    if path.startswith("/admin/"):
+        return False
+    return method in BODY_METHODS or (method != "OPTIONS" and path.startswith("/v1"))
+
+
 class TransportMiddleware:
     """Refuse, in the OpenAI error envelope and without reading the body (pure ASGI): an HTTP request that
-    repeats a header of :data:`SINGLE_HEADERS` (400); with ``keys``, one of :data:`BODY_METHODS` without a
-    valid key, outside the operator routes (401).
+    repeats a header of :data:`SINGLE_HEADERS` (400); with ``keys``, one without a valid key that needs it
+    (:func:`_needs_key`: 401).
 
     Arguments:
         keys: the API keys the server requires; empty: none.
@@ -74,7 +84,7 @@ class TransportMiddleware:
             if (name := repeated_header(headers)) is not None:
                 await error_response(400, f"the {name} header may appear only once", param=name)(scope, receive, send)
                 return
-            if self.keys and scope["method"] in BODY_METHODS and not route_path(scope).startswith("/admin/"):
+            if self.keys and _needs_key(scope["method"], route_path(scope)):
                 auth = next((v for k, v in headers if k == b"authorization"), b"").decode("latin-1")
                 if not bearer_matches(auth, self.keys):
                     response = error_response(401, "missing or invalid API key", param="authorization",

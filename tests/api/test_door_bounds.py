@@ -209,15 +209,21 @@ async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
     """#44: a 47-57 MB body held the event loop 10-18 s (/health waited that long), 12 s of it the door's own
     walk; a 30 MB /tokenize prompt ran the tokenizer 46-66 s. With both in flight, /health answers within 1 s
     each time (the door counts values before parsing, parses and checks large bodies off the loop, and
-    refuses text that cannot fit before tokenizing it)."""
+    refuses text that cannot fit before tokenizing it). So with bodies of many small objects (450,000 empty
+    messages, 100,000 tools), which vLLM validated on the event loop for 1.5-5 s: refused by their count."""
     # Encoded before the clock starts: the client shares the event loop in-process, its own work is not the server's.
     numbers = b'{"model": "m", "messages": [], "unused": [' + b"1," * 25_000_000 + b"1]}"
     text = json.dumps({"model": api.model, "prompt": "word " * 6_000_000}).encode()  # 30 MB
     big_string = json.dumps({"model": api.model, "prompt": "hi", "max_tokens": 1, "user": "x" * 50_000_000}).encode()
+    # Many small objects, under the value bound: vLLM validated them on the event loop (/health waited 5 s)
+    messages = json.dumps({"model": api.model, "messages": [{"role": "user", "content": ""}] * 450_000}).encode()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tools = json.dumps({"model": api.model, "messages": [{"role": "user", "content": "hi"}], "tools": [tool] * 100_000})
     json_headers = {"content-type": "application/json"}
+    bodies = (("/v1/chat/completions", numbers), ("/tokenize", text), ("/v1/completions", big_string),
+              ("/tokenize", messages), ("/v1/chat/completions", tools.encode()))  # fmt: skip
     heavy = [
-        asyncio.create_task(api.client.post(path, content=content, headers=json_headers))
-        for path, content in (("/v1/chat/completions", numbers), ("/tokenize", text), ("/v1/completions", big_string))
+        asyncio.create_task(api.client.post(path, content=content, headers=json_headers)) for path, content in bodies
     ]
     worst = 0.0
     while not all(task.done() for task in heavy):
@@ -227,5 +233,29 @@ async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
         await asyncio.sleep(0.05)
     statuses = [(await task).status_code for task in heavy]
     assert statuses[:2] == [413, 400], statuses
-    assert statuses[2] < 500, statuses
+    assert statuses[2] < 500 and statuses[3:] == [413, 413], statuses
     assert worst < 1.0, f"/health waited {worst:.2f} s"
+
+
+async def test_one_request_asks_for_a_bounded_number_of_sequences(api: Api) -> None:
+    """``--guard-max-sequences`` (16): ``n``, ``best_of`` and a completions batch count; a token-id prompt
+    is one prompt. More is 400 before vLLM sees it, at most is served."""
+    chat = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    refused = await api.client.post("/v1/chat/completions", json={**chat, "n": 17})
+    assert refused.status_code == 400 and "17 sequences" in refused.json()["error"]["message"], refused.text
+    assert (await api.client.post("/v1/chat/completions", json={**chat, "n": 16})).status_code == 200
+    completion = {"model": api.model, "max_tokens": 1}
+    for prompt, n, status in ((["hi"] * 17, 1, 400), (["hi"] * 8, 2, 200), (["hi"] * 8, 3, 400),
+                              ([[1, 2]] * 17, 1, 400), (list(range(100, 140)), 1, 200), ("hi", 17, 400)):  # fmt: skip
+        resp = await api.client.post("/v1/completions", json={**completion, "prompt": prompt, "n": n})
+        assert resp.status_code == status, (prompt[:2], n, resp.text[:200])
+    best_of = await api.client.post("/v1/completions", json={**completion, "prompt": "hi", "best_of": 20})
+    assert best_of.status_code == 400
+
+
+async def test_a_body_of_too_many_objects_is_refused_before_vllm_parses_it(api: Api) -> None:
+    many = {"model": api.model, "max_tokens": 1, "messages": [{"role": "user", "content": ""}] * 10_001}
+    resp = await api.client.post("/v1/chat/completions", json=many)
+    assert resp.status_code == 413 and "10000 JSON objects" in resp.json()["error"]["message"], resp.text[:300]
+    fine = {**many, "messages": [{"role": "user", "content": "hi"}] * 50}
+    assert (await api.client.post("/v1/chat/completions", json=fine)).status_code == 200

@@ -59,7 +59,10 @@ async def test_docs_as_stock(make_api: Any, api: Api) -> None:
 
 async def test_api_key_on_v1_reads(make_api: Any) -> None:
     api: Api = await make_api("--api-key", KEY)
-    assert (await api.client.get("/v1/models")).status_code == 401
+    resp = await api.client.get("/v1/models")
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == 401  # in the envelope (vLLM's is not)
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "GET"}
+    assert (await api.client.options("/v1/models", headers=preflight)).status_code != 401  # as vLLM's
     assert (await api.client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
     assert (await api.client.get("/health")).status_code == 200  # probes stay open, as stock
 
@@ -126,3 +129,17 @@ async def test_stats_logging_survives_an_engine_between_lives() -> None:
         latest_engine = Dead()
 
     await GuardedEngineClient(Port()).do_log_stats()  # type: ignore[arg-type]  # never raises
+
+
+async def test_a_websocket_to_an_http_route_is_refused_not_a_500(api: Api) -> None:
+    """A websocket handshake on a route vLLM's app serves over HTTP only (``/metrics``'s Prometheus app
+    asserts HTTP) is refused; vlguard's error map closed it instead of failing on a request without a
+    method. The server serves on."""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    client = TestClient(api.app.router.default.app)  # not entered: vLLM's app's lifespan is vlguard's to run
+    with pytest.raises(WebSocketDisconnect) as closed, client.websocket_connect("/metrics"):
+        pass
+    assert closed.value.code == 1011
+    assert (await api.client.get("/health")).status_code == 200
