@@ -267,7 +267,7 @@ def _image_header(where: str, url: str, limits: MediaLimits) -> tuple[ImageHeade
         try:
             start = pybase64.b64decode(url[at : at + HEADER_CHARS], validate=True)
             header = check_image_bytes(where, start, limits, rules=True, checksums=False)
-        except (MediaError, binascii.Error, ValueError):
+        except ValueError:  # MediaError and binascii.Error are ValueErrors too
             pass  # the header runs past the start (or the start is not base64): read the whole below
         else:
             return header, (_decode_payload(where, url, at) if header.rules else None)
