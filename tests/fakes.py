@@ -53,11 +53,12 @@ def greedy_tokens(prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
-def _error_finish(request_id: str, ids: list[int]) -> Any:
-    """A request's last output when the engine finished it with ``ERROR`` and no token."""
+def _error_finish(request_id: str, ids: list[int], text: str = "", tokens: list[int] | None = None) -> Any:
+    """A request's last output when the engine finished it with ``ERROR``: its ``tokens`` and ``text``
+    (a finished output releases the characters vLLM holds back while a stop string may match)."""
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    done = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+    done = CompletionOutput(index=0, text=text, token_ids=tokens or [], cumulative_logprob=None, logprobs=None,
                             finish_reason="error")  # fmt: skip
     return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
                          outputs=[done], finished=True)  # fmt: skip
@@ -219,7 +220,9 @@ class FakeEngine:
         arrived.set()
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         max_tokens = sampling_params.max_tokens or 16
+        hold = getattr(sampling_params, "output_text_buffer_length", 0)  # held back while a stop may match
         out: list[int] = []
+        text, shown = "", 0  # the whole output text; the characters a delta output handed out so far
         for step in range(max_tokens):
             await self._step()
             if self._dead.is_set():
@@ -228,7 +231,11 @@ class FakeEngine:
                 self._absorb_step_exception()
             if request_id in self._cut:
                 self._cut.discard(request_id)
-                yield _error_finish(request_id, ids)
+                if out:  # as a real engine's: the last step's output, not yet read, merged into the finish
+                    out.append(next_token(ids + out))
+                    text += f" t{out[-1]}"
+                tokens = out[len(out) - 1 :] if delta else list(out)
+                yield _error_finish(request_id, ids, text[shown:] if delta else text, tokens)
                 return
             if step == 0 and self._poisoned(ids):
                 self._record_step_exception("RuntimeError", "vlguard test fault: poison request reached the model")
@@ -242,14 +249,17 @@ class FakeEngine:
             out.append(next_token(ids + out))
             finished = len(out) == max_tokens
             new = out[-1:] if delta else list(out)
+            text += f" t{out[-1]}"
+            visible = len(text) if finished else max(0, len(text) - hold)
             completion = CompletionOutput(
                 index=0,
-                text="".join(f" t{t}" for t in new),
+                text=text[shown:visible] if delta else text[:visible],
                 token_ids=new,
                 cumulative_logprob=None,
                 logprobs=None,
                 finish_reason="length" if finished else None,
             )
+            shown = max(shown, visible) if delta else shown
             yield RequestOutput(
                 request_id=request_id,
                 prompt=None,

@@ -90,13 +90,20 @@ def _error_finish(output: RequestOutput) -> bool:
     return any(c.finish_reason == "error" for c in output.outputs)
 
 
-def _unfinish(output: RequestOutput) -> None:
+def _unfinish(output: RequestOutput, hold_back: int) -> None:
     """Make a cut request's last output an ordinary one: it may carry tokens of earlier steps (outputs not
-    yet read are merged), which are delivered; the finish is not."""
+    yet read are merged), which are delivered; the finish is not.
+
+    ``hold_back``: the characters vLLM holds back from an unfinished output while a stop string may still
+    match (``SamplingParams.output_text_buffer_length``). A finished output releases them, so the cut one
+    ends with text an uninterrupted stream would not have sent yet (it may be the start of the stop
+    string); they are held back again here, as in every unfinished output, delta or cumulative."""
     output.finished = False
     for completion in output.outputs:
         completion.finish_reason = None
         completion.stop_reason = None
+        if hold_back:
+            completion.text = completion.text[: max(0, len(completion.text) - hold_back)]
 
 
 class Outcome(enum.Enum):
@@ -277,7 +284,9 @@ class GuardedEngineClient:
                     port.output(attempt)
                     # A soft recovery finished it (always its last output): deliver the tokens of earlier
                     # steps it may carry, not the finish; then carry the request over.
-                    cut = cut or (_error_finish(output) and port.take_cut(attempt, request_id))
+                    if not cut and _error_finish(output) and port.take_cut(attempt, request_id):
+                        cut = True
+                        _unfinish(output, getattr(params, "output_text_buffer_length", 0))
                     # The engine core did not hold an image sent as its hash: send it again, whole.
                     missed, first = not cut and cache_miss(output, stripped, first), False
                     if missed:
@@ -285,7 +294,6 @@ class GuardedEngineClient:
                     if rerun is not None and (output := rerun.take(output, cut)) is None:
                         continue  # the re-run is still inside what was sent
                     if cut:
-                        _unfinish(output)
                         if not (carry.delta and carry.single and output.outputs and output.outputs[0].token_ids):
                             continue
                     else:

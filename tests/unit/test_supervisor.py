@@ -260,6 +260,36 @@ async def test_soft_recovery_quarantines_the_poison_without_a_rebuild(make_guard
     assert g.sup.quarantine.quarantined_count() == 1  # the poison alone
 
 
+async def test_a_stream_with_a_stop_string_cut_by_a_soft_recovery_sends_what_it_sends_uninterrupted(
+    make_guard: Callable[..., Any],
+) -> None:
+    """vLLM holds back the last characters of a stop-string stream's text (they may start the stop string)
+    and a finished output releases them; the ERROR finish of a cut does too. Handed on, they were text an
+    uninterrupted stream had not sent, and the re-run's seam check ended the stream as diverged (CI, 0.32)."""
+    g = await make_guard(FakeEngineFactory(poison=[POISON], soft=True), quarantine_deaths=2, max_replays=5)
+    engine = g.factory.current
+
+    async def run(rid: str, cut_after: int | None) -> tuple[list[int], str]:
+        params = SamplingParams(max_tokens=6, temperature=0, stop=["never"], output_kind=RequestOutputKind.DELTA)
+        assert params.output_text_buffer_length == 4
+        ids, text = [], ""
+        async for out in g.client.generate({"prompt_token_ids": [5]}, params, rid):
+            ids, text = ids + out.outputs[0].token_ids, text + out.outputs[0].text
+            if len(ids) == cut_after:  # a soft recovery now cuts this stream (and the poison)
+                seen = len(engine.requests)
+                poison = asyncio.create_task(g.collect([1, POISON], rid=f"poison-{rid}"))
+                await asyncio.wait_for(engine.wait_for_requests(seen + 1), WAIT_S)
+        if cut_after is not None:
+            with pytest.raises(QuarantinedRequestError):
+                await asyncio.wait_for(poison, WAIT_S)
+        return ids, text
+
+    uninterrupted = await run("whole", None)
+    assert uninterrupted == (greedy_tokens([5], 6), "".join(f" t{t}" for t in greedy_tokens([5], 6)))
+    assert await run("cut", 2) == uninterrupted
+    assert engine.prompts["cut"] == [5]  # re-run from its start, not resumed
+
+
 async def test_an_error_finish_without_a_soft_recovery_is_passed_through(make_guard: Callable[..., Any]) -> None:
     """An ERROR finish vLLM gives for its own reasons (a grammar that rejects tokens, a failed KV load) is
     the request's answer, not a fault: no replay."""
