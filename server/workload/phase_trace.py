@@ -3,8 +3,8 @@
 ``vlguard bench compare`` starts both servers (stock vLLM and vlguard) with ``VLGUARD_PHASE_TRACE=<file>``
 and sends every request with an ``X-Request-Id`` from :func:`trace_id`. In the API process (the one
 without a multiprocessing parent; engine processes are left alone) the plugin wraps, at class level, the
-points a chat request passes through and appends one JSON line ``{"id", "point", "t"}`` per request and
-point to the file:
+points a chat request passes through and appends one JSON line ``{"id", "point", "t", "cpu", "tid"}`` per
+request and point to the file:
 
 ===============  ===================================================================================
 point            stamped when
@@ -27,7 +27,11 @@ point            stamped when
 ===============  ===================================================================================
 
 Times are ``time.monotonic()`` seconds: CLOCK_MONOTONIC, one clock for every process of the machine, so
-the bench client's send and first-token times (:mod:`server.workload.generator`) line up with them. A
+the bench client's send and first-token times (:mod:`server.workload.generator`) line up with them.
+``cpu`` is the stamping thread's CPU time (``time.thread_time()``), ``tid`` that thread: between two
+points stamped by one thread with no wait between them (vlguard's input checks, its engine client), the
+CPU a phase used, which its time does not give under load (it also counts waiting for the GIL while the
+processor's threads hold it). A
 point vLLM does not have under that name, or not as the kind of function wrapped, is skipped with a
 warning. The cost is a few microseconds a point, and one more async-generator step per output through a
 wrapped engine client: vlguard's side has four more points than stock's (its door and its engine client),
@@ -42,6 +46,7 @@ import contextvars
 import functools
 import json
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -49,6 +54,7 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from threading import get_ident
 from typing import IO, Any, NamedTuple
 
 from server.vllm_hooks import HookTargetMissing, bench
@@ -87,9 +93,11 @@ def request_id_of(*values: Any) -> str | None:
 
 
 def stamp(rid: str | None, point: str) -> None:
-    """Append one point of request ``rid`` (nothing when the request is not traced)."""
+    """Append one point of request ``rid`` (nothing when the request is not traced): its time, and the
+    stamping thread's CPU time and identity."""
     if rid is not None and _sink is not None:
-        _sink.write(json.dumps({"id": rid, "point": point, "t": time.monotonic()}) + "\n")
+        event = {"id": rid, "point": point, "t": time.monotonic(), "cpu": time.thread_time(), "tid": get_ident()}
+        _sink.write(json.dumps(event) + "\n")
 
 
 def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any], from_context: bool) -> str | None:
@@ -257,10 +265,20 @@ def register() -> None:
 
 def read(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
     """A trace file as ``{request id: {point: first time}}`` (a replayed request keeps its first stamps)."""
-    events: dict[str, dict[str, float]] = {}
+    return {rid: {point: t for point, (t, _, _) in points.items()} for rid, points in _read(path).items()}
+
+
+def read_cpu(path: str | os.PathLike[str]) -> dict[str, dict[str, tuple[float, int]]]:
+    """A trace file's thread CPU times: ``{request id: {point: (CPU seconds, thread)}}`` (first stamps)."""
+    return {rid: {point: (cpu, tid) for point, (_, cpu, tid) in points.items()} for rid, points in _read(path).items()}
+
+
+def _read(path: str | os.PathLike[str]) -> dict[str, dict[str, tuple[float, float, int]]]:
+    events: dict[str, dict[str, tuple[float, float, int]]] = {}
     with open(path, encoding="utf-8") as lines:
         for line in lines:
             if line.strip():
                 event = json.loads(line)
-                events.setdefault(event["id"], {}).setdefault(event["point"], event["t"])
+                found = (event["t"], event.get("cpu", math.nan), event.get("tid", 0))
+                events.setdefault(event["id"], {}).setdefault(event["point"], found)
     return events

@@ -253,6 +253,27 @@ def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float
     }
 
 
+def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, int]]]) -> dict[str, dict[str, float]]:
+    """The CPU each of :data:`GUARD_OWN_PHASES` used per streamed, successful request: its thread's CPU
+    time between the phase's points, where one thread stamped both (``cpu``:
+    :func:`server.workload.phase_trace.read_cpu`): ``{phase: {"p50": ms, "mean": ms, "n": requests}}``.
+    Unlike the phase's time, it leaves out waiting for the GIL."""
+    bounds = {name: (start, end) for name, start, end in GUARD_TRACE_PHASES if name in GUARD_OWN_PHASES}
+    spans: dict[str, list[float]] = {}
+    for rec in records:
+        points = cpu.get(rec.trace_id or "")
+        if not (rec.ok and rec.stream and points):
+            continue
+        for name, (start, end) in bounds.items():
+            if start in points and end in points and points[start][1] == points[end][1]:
+                spans.setdefault(name, []).append(1000.0 * (points[end][0] - points[start][0]))
+    return {
+        name: {"p50": float(np.median(spans[name])), "mean": float(np.mean(spans[name])), "n": len(spans[name])}
+        for name in GUARD_OWN_PHASES
+        if name in spans
+    }
+
+
 def table(summaries: dict[str, dict[str, Any]]) -> str:
     """A fixed-width text table, one row per named summary."""
     head = (

@@ -117,4 +117,10 @@ def test_front_scenario_measures_both_apps_and_vlguards_own_code(tiny_model: Pat
     assert set(data["failed"].values()) == {0}, data["failed"]
     ratio, (low, high) = data["ratio"]
     assert 0 < low <= ratio <= high and math.isfinite(high), data["ratio"]
+    rps, (low, high) = data["rps_ratio"]
+    assert 0 < low <= rps <= high and math.isfinite(high) and "front throughput" in proc.stdout, data["rps"]
     assert set(data["own_ms"]) == set(report.GUARD_OWN_PHASES), data["own_ms"]
+    # Their CPU, from the same points: never above their time (the waits are left out)
+    assert set(data["own_cpu_ms"]) == set(report.GUARD_OWN_PHASES), data["own_cpu_ms"]
+    for name, cpu in data["own_cpu_ms"].items():
+        assert 0 <= cpu["p50"] <= data["own_ms"][name]["p50"] + 1e-3, (name, cpu, data["own_ms"][name])

@@ -189,3 +189,27 @@ def test_the_table_sums_vlguards_own_phases_for_the_side_that_has_them() -> None
     assert lines[1].split()[:4] == ["connect", "1.00", "1.00", "+0.00"]
     assert lines[-1].startswith("vlguard's own code on the way to the first token: 0.75 ms")
     assert not [line for line in lines if line.startswith("stock's own")]
+
+
+def test_vlguards_own_phases_cpu_is_the_stamping_threads_cpu_between_their_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each point carries its thread's CPU time: a phase's CPU leaves out the time it waited (for the GIL,
+    under load), and is given only where one thread stamped both of its points."""
+    path = tmp_path / "trace.jsonl"
+    with path.open("a", encoding="utf-8") as sink:
+        monkeypatch.setattr(phase_trace, "_sink", sink)
+        phase_trace.stamp("phase-1", "checks")
+        spin = phase_trace.time.thread_time() + 0.02
+        while phase_trace.time.thread_time() < spin:  # 20 ms of this thread's CPU
+            pass
+        phase_trace.time.sleep(0.05)  # 50 ms of waiting: time, no CPU
+        phase_trace.stamp("phase-1", "checked")
+    rec = Record(0, "primary", True, 0.0, 0.2, ttft_s=0.1, ok=True, trace_id="phase-1", sent_at=0.0)
+    wall = report.trace_phases_ms([rec], phase_trace.read(path))["door: vlguard's input checks"]["p50"]
+    cpu_times = phase_trace.read_cpu(path)
+    cpu = report.own_cpu_ms([rec], cpu_times)["door: vlguard's input checks"]["p50"]
+    assert 20 <= cpu < 40 and wall >= 70, (cpu, wall)
+    at, thread = cpu_times["phase-1"]["checked"]
+    cpu_times["phase-1"]["checked"] = (at, thread + 1)  # stamped by another thread: no CPU figure
+    assert report.own_cpu_ms([rec], cpu_times) == {}

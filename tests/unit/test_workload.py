@@ -307,6 +307,9 @@ def test_front_ratio_and_added_cpu_come_from_paired_rounds() -> None:
     assert abs(ratio - 1.1) < 1e-9 and abs(low - 1.1) < 1e-9 and abs(high - 1.1) < 1e-9  # no spread: exact
     added, (dlow, dhigh) = result.added_ms("vlguard", "stock-a")
     assert abs(added - 4 / 3) < 1e-9 and dlow < added < dhigh
+    # the front's throughput the same way: requests served per second of each block
+    result.rps = {"stock-a": [40.0, 50.0], "vlguard": [36.0, 45.0]}
+    assert result.ratio("vlguard", "stock-a", of="rps")[0] == pytest.approx(0.9)
 
 
 def test_engine_step_cost_is_per_step_and_paired_by_round(plan: TwoPassPlan) -> None:
