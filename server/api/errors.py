@@ -162,6 +162,36 @@ async def _on_other(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(err.model_dump(), status_code=err.error.code)
 
 
+#: vLLM's loggers that log a client's bad request with its traceback at ERROR (``logger.exception``) on
+#: routes vlguard answers 400 (:func:`anthropic_client_errors`)
+CLIENT_ERROR_LOGGERS = ("vllm.entrypoints.anthropic.api_router",)
+
+
+class ClientErrorWithoutStack(logging.Filter):
+    """Log a client's error as one line: a record with an exception, logged before the request reached the
+    engine client (the request's own bad input), loses its traceback and goes down to INFO. vLLM's Anthropic
+    route logged 60 lines at ERROR for every refused image, so one client could fill the log (and push the
+    lines an operator needs out of a rate-limited journal). What happens past the engine client keeps its
+    stack."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and not ENGINE_ENTERED.get():
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+def quiet_client_errors(log_error_stack: bool = False) -> None:
+    """Put :class:`ClientErrorWithoutStack` on each of :data:`CLIENT_ERROR_LOGGERS` (once); with
+    ``--log-error-stack`` take it off: the operator asked for every error's stack."""
+    for name in CLIENT_ERROR_LOGGERS:
+        log = logging.getLogger(name)
+        for found in [f for f in log.filters if isinstance(f, ClientErrorWithoutStack)]:
+            log.removeFilter(found)
+        if not log_error_stack:
+            log.addFilter(ClientErrorWithoutStack())
+
+
 def anthropic_client_errors(send: Send) -> Send:
     """``send`` for vLLM's Anthropic routes (``/v1/messages``...), which answer every exception 500
     (``internal_error``), a client's bad input included (an image the media policy refused): an error

@@ -13,7 +13,9 @@ Where vlguard differs from that app, it is here, each for a reason:
   error handler shuts the server down on an engine death, which the guard recovers from, and vLLM answers
   some client errors 500;
 * vLLM's CORS middleware is left out: vlguard's shell applies the same one, from the same flags, in front of
-  the door, so that the door's own refusals carry the CORS headers too.
+  the door, so that the door's own refusals carry the CORS headers too;
+* a client's error that vLLM's Anthropic route logs with its traceback is logged in one line, unless
+  ``--log-error-stack`` (:func:`server.api.errors.quiet_client_errors`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.errors import install_error_handlers, unavailable_response
+from server.api.errors import install_error_handlers, quiet_client_errors, unavailable_response
 from server.api.request_fixes import install_completion_fixes
 from server.api.routes import flat_routes
 
@@ -57,7 +59,9 @@ async def build_stock_app(args: argparse.Namespace, client: Any, tasks: tuple[st
 
     app: FastAPI = vllm_symbol("build_app")(args, tasks, client.model_config)
     await vllm_symbol("init_app_state")(client, app.state, args, tasks)
-    install_error_handlers(app, log_error_stack=bool(getattr(args, "log_error_stack", False)))
+    log_error_stack = bool(getattr(args, "log_error_stack", False))
+    install_error_handlers(app, log_error_stack=log_error_stack)
+    quiet_client_errors(log_error_stack)
     # vLLM's handlers for what vlguard's map leaves to its catch-all (engine errors, vLLM's error base class)
     app.exception_handlers = {
         error: handler for error, handler in app.exception_handlers.items() if not _is_vllms(handler)

@@ -191,3 +191,31 @@ async def test_client_uuids_are_forgotten_whatever_shape_carried_them(api: Api) 
         assert getattr(getattr(module, cls).resolve_items, MARK, False), cls
     assert await _forget_uuids(_named)(object()) == ({"image": ["img"]}, {"image": [None]})
     assert _forget_uuids(_named_sync)(object()) == ({"image": ["img"]}, {"image": [None]})
+
+
+@pytest.mark.parametrize("flag", [(), ("--log-error-stack",)])
+async def test_a_client_error_on_vllms_anthropic_route_is_one_log_line(make_api: Any, flag: tuple[str, ...]) -> None:
+    """vLLM's Anthropic route logs every exception with its traceback (60 lines) before answering 500, which
+    vlguard answers 400: a client sending refused images made the server write 60 lines a request. A client's
+    error (raised before the request reached the engine client) is logged in one line, without the stack,
+    unless the operator asked for every error's stack."""
+    import logging
+
+    api = await make_api(*flag)
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    router = logging.getLogger("vllm.entrypoints.anthropic.api_router")
+    router.addHandler(handler)
+    corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()
+    image = {"type": "image", "source": {"type": "url", "url": corrupt}}
+    body = {"model": api.model, "max_tokens": 2, "messages": [{"role": "user", "content": [image]}]}
+    try:
+        resp = await api.client.post("/v1/messages", json=body)
+    finally:
+        router.removeHandler(handler)
+    assert resp.status_code == 400, resp.text[:300]
+    assert records and "image" in records[0].getMessage()
+    quiet = [r.exc_info is None and r.levelno < logging.ERROR for r in records]
+    assert quiet == [not flag] * len(records), [(r.levelname, r.getMessage(), r.exc_info) for r in records]
