@@ -100,7 +100,8 @@ DIFFERENCES: dict[str, str] = {
     "shutdown": "SIGTERM drains in-flight requests for 30 s (--shutdown-timeout, --guard-drain-timeout), not abort",
     "health": "/health (and /ping) is liveness, 200 while the guard can recover the engine; /ready is readiness",
     "errors": "vlguard's exception map replaces vLLM's handlers: a client's bad input is 4xx where vLLM answers "
-    "some 500, an engine death is 503 + Retry-After and the server serves on (vLLM's handler stops it)",
+    "some 500, an engine death is 503 + Retry-After and the server serves on (vLLM's handler stops it); a "
+    "client's error vLLM's Anthropic route logs with its stack is one INFO line (--log-error-stack keeps it)",
     "routes": "internal and operator POST routes, and POST routes vlguard does not know yet, are 404 "
     "(server/api/routes.py)",
     "api_key": "with --api-key every request with a body needs the key, refused before its body is read "
