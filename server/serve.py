@@ -311,7 +311,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         ssl_cert_reqs=args.ssl_cert_reqs,
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout),  # SIGTERM: drain in-flight requests, bounded
-        http=http_protocol(settings.header_timeout),  # a request's headers within --guard-header-timeout
+        # a request's headers within --guard-header-timeout and --guard-max-header-kb
+        http=http_protocol(settings.header_timeout, settings.max_header_kb * 1024),
         **uvicorn_extras(args),
     )
     server = _Server(config, on_signal=supervisor.request_stop, delay_s=settings.shutdown_delay, args=args)

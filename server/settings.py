@@ -76,6 +76,11 @@ class GuardSettings(BaseSettings):
     the next request on a kept-alive connection); slower connections are closed (slowloris: uvicorn alone
     kept them open for ever)."""
 
+    max_header_kb: int = Field(default=64, ge=1)
+    """KiB a request's line and headers may take (under either HTTP parser); more gets 431 and the
+    connection closed. uvicorn's httptools parser took a 98 MB header block, parsing it on the event loop
+    for 1.2 s."""
+
     body_timeout: float = Field(default=30.0, gt=0)
     """Seconds a request body may take to arrive completely; slower gets 408. A request takes one of the
     ``max_inflight`` slots only once its body has arrived, so stalled uploads cannot fill them."""
