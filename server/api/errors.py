@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Send
 
-from server.guard.engine_client import ENGINE_ENTERED
+from server.guard.engine_client import engine_entered
 from server.guard.errors import GuardError, raised_in
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ async def _on_other(request: Request, exc: Exception) -> JSONResponse:
 
     if _raised_parsing_the_body(exc):
         return error_response(HTTPStatus.BAD_REQUEST, f"Invalid request: {_client_message(exc)}")
-    if isinstance(exc, RENDERING_ERRORS) and request.method == "POST" and not ENGINE_ENTERED.get():
+    if isinstance(exc, RENDERING_ERRORS) and request.method == "POST" and not engine_entered():
         # vLLM's serving layer failed on the request's shape while rendering it (a Responses item without
         # a role: KeyError 'role'; a refusal part: AttributeError), before handing it to the engine
         logger.warning("%s rendering %s: answered 400", type(exc).__name__, request.url.path, exc_info=exc)
@@ -175,7 +175,7 @@ class ClientErrorWithoutStack(logging.Filter):
     stack."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and not ENGINE_ENTERED.get():
+        if record.exc_info and not engine_entered():
             record.exc_info, record.exc_text, record.stack_info = None, None, None
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
         return True
@@ -201,7 +201,7 @@ def anthropic_client_errors(send: Send) -> Send:
     body = bytearray()
 
     async def wrapped(message: Message) -> None:
-        if message["type"] == "http.response.start" and message["status"] == 500 and not ENGINE_ENTERED.get():
+        if message["type"] == "http.response.start" and message["status"] == 500 and not engine_entered():
             held.append(message)
             return
         if not held or message["type"] != "http.response.body":

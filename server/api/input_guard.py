@@ -66,7 +66,7 @@ from server.api.poison import (
 from server.api.remote_media import inline_remote_media
 from server.api.routes import RouteKind, post_kind
 from server.guard.clients import client_key
-from server.guard.engine_client import ENGINE_ENTERED
+from server.guard.engine_client import new_request
 from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
@@ -333,7 +333,7 @@ class InputGuardMiddleware:
 
         replayed = False
         current_request.set((f"POST {route_path(scope)}", raw))  # the forensic record's (server.guard.forensics)
-        ENGINE_ENTERED.set(False)  # until vLLM's serving layer hands this request to the engine client
+        new_request()  # not entered until vLLM's serving layer hands this request to the engine client
 
         async def replay() -> Message:
             nonlocal replayed

@@ -56,10 +56,38 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Whether the request served in this context reached the engine client (set on the first iteration of
-#: :meth:`GuardedEngineClient.generate`; the input guard clears it as each request enters): an exception
-#: vLLM's serving layer raised before that came from rendering the client's request (server.api.errors).
-ENGINE_ENTERED: contextvars.ContextVar[bool] = contextvars.ContextVar("vlguard_engine_entered", default=False)
+
+class _Entered:
+    """One request's mark: whether it reached the engine client. A mutable cell, so that a task vLLM's
+    route runs the handler in (``with_cancellation``: a copy of the request task's context) marks the same
+    request the outer task reads."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+
+_ENTERED: contextvars.ContextVar[_Entered | None] = contextvars.ContextVar("vlguard_engine_entered", default=None)
+
+
+def new_request() -> None:
+    """A request enters (the input guard, before vLLM's app): it has not reached the engine client."""
+    _ENTERED.set(_Entered())
+
+
+def engine_entered() -> bool:
+    """Whether the request served in this context reached the engine client (marked on the first iteration
+    of :meth:`GuardedEngineClient.generate`, in whichever task vLLM's route ran it): an exception vLLM's
+    serving layer raised before that came from rendering the client's request (server.api.errors)."""
+    mark = _ENTERED.get()
+    return mark is not None and mark.value
+
+
+def _mark_entered() -> None:
+    if (mark := _ENTERED.get()) is None:
+        _ENTERED.set(mark := _Entered())
+    mark.value = True
 
 
 def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[Any, Any]:
@@ -218,7 +246,7 @@ class GuardedEngineClient:
                 carried over a death (not resumable, replay limit).
             QuarantinedRequestError: the request is quarantined (400).
         """
-        ENGINE_ENTERED.set(True)
+        _mark_entered()
         fp = fingerprint(prompt, sampling_params)
         self._check_quarantine(fp)
         engine_id = self._claim(request_id)

@@ -219,3 +219,19 @@ async def test_a_client_error_on_vllms_anthropic_route_is_one_log_line(make_api:
     assert records and "image" in records[0].getMessage()
     quiet = [r.exc_info is None and r.levelno < logging.ERROR for r in records]
     assert quiet == [not flag] * len(records), [(r.levelname, r.getMessage(), r.exc_info) for r in records]
+
+
+async def test_a_server_fault_past_the_engine_client_on_the_anthropic_route_stays_5xx(api: Api) -> None:
+    """vLLM runs the Anthropic route's handler in a task of its own (``with_cancellation``: a copy of the
+    request's context), so the engine client's mark that the request had reached it was lost to the request
+    task that turns the route's 500s for a client's bad input into 400: a server fault past the engine
+    client was answered 400 ``invalid_request_error``, as if the client's."""
+
+    async def faulting(prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> Any:
+        raise RuntimeError("vlguard test: a server fault inside the engine")
+        yield  # an async generator, as AsyncLLM.generate
+
+    api.engine.generate = faulting  # type: ignore[method-assign]
+    body = {"model": api.model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
+    resp = await api.client.post("/v1/messages", json=body)
+    assert resp.status_code >= 500, resp.text[:300]
