@@ -19,12 +19,130 @@ from __future__ import annotations
 
 import asyncio
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    _ProtocolBase = Any  # uvicorn's protocol class, mixed in after it
+else:
+    _ProtocolBase = object
 
 #: Bytes a request's line and headers may take by default (``--guard-max-header-kb``)
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 #: Seconds a connection whose head was refused is read (and dropped) before it is closed
 LINGER_S = 2.0
+
+
+class HeadTooLargeError(Exception):
+    """A request's line and headers ran past the bound (raised inside httptools' callbacks)."""
+
+
+class _HeadGuard(_ProtocolBase):
+    """The header timeout and the head bound, over one of uvicorn's HTTP protocol classes (mixed in first by
+    :func:`with_header_timeout`, which sets the three class attributes).
+
+    httptools hands each request's URL and headers to Python callbacks: they are counted there, exactly,
+    whenever the head arrives (a head pipelined behind a slow response too). h11 parses a head only between
+    responses (it stops reading meanwhile): bytes are counted while the head is awaited."""
+
+    header_timeout_s: float
+    max_head_bytes: int
+    by_callbacks: bool
+    _header_clock: asyncio.TimerHandle | None = None
+    _waiting_for: Any = None  # the cycle a new request's headers replace
+    _head_bytes = 0  # bytes of the request's head received so far
+    _over = False  # the head ran past the bound (httptools: the parser stopped on it)
+    _refused = False  # a head past the bound was answered 431: what follows is dropped
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._start_header_clock()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # the rest of a refused head, read and dropped until the connection closes
+        if self._header_clock is None and self._between_requests():
+            self._start_header_clock()
+        super().data_received(data)
+        if self.by_callbacks or self._header_clock is None or getattr(self, "cycle", None) is not self._waiting_for:
+            return
+        self._head_bytes += len(data)  # the head has not ended: every byte so far was head
+        if self._head_bytes > self.max_head_bytes:
+            self._refuse_head()
+
+    # httptools' callbacks
+    def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.max_head_bytes:
+            self._over = True
+            raise HeadTooLargeError  # stops the parser: uvicorn answers its parser errors below
+
+    def send_400_response(self, msg: str) -> None:
+        if self._over:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._stop_header_clock()
+        if self._refused:  # a head refused behind this response: its 431 follows it, in order
+            self._answer_431()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_clock()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        cycle = getattr(self, "cycle", None)
+        return cycle is None or bool(getattr(cycle, "response_complete", False))
+
+    def _start_header_clock(self) -> None:
+        waiting_for = getattr(self, "cycle", None)  # a new request replaces it once its headers are in
+        self._waiting_for, self._head_bytes = waiting_for, 0
+        self._header_clock = self.loop.call_later(self.header_timeout_s, self._headers_late, waiting_for)
+
+    def _refuse_head(self) -> None:
+        """431 for the head past the bound; what the client sends after it is dropped. A response still
+        being sent on the connection (the head was pipelined behind it) goes first."""
+        self._stop_header_clock()
+        self._refused = True
+        if self._between_requests():
+            self._answer_431()
+
+    def _answer_431(self) -> None:
+        transport = getattr(self, "transport", None)
+        if transport is None or transport.is_closing():
+            return
+        message = f"request line and headers longer than this server's limit of {self.max_head_bytes} bytes"
+        transport.write(_raw_response(431, message))
+        # A lingering close: the client may still be sending; closing with its bytes unread would reset
+        # the connection and could lose the answer. Read and drop for a moment, then close.
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
+
+    def _stop_header_clock(self) -> None:
+        if self._header_clock is not None:
+            self._header_clock.cancel()
+            self._header_clock = None
+
+    def _headers_late(self, waiting_for: Any) -> None:
+        self._header_clock = None
+        transport = getattr(self, "transport", None)
+        if getattr(self, "cycle", None) is waiting_for and transport is not None and not transport.is_closing():
+            transport.close()
 
 
 def with_header_timeout(
@@ -33,72 +151,9 @@ def with_header_timeout(
     """``base`` (one of uvicorn's HTTP protocol classes) closing connections whose request headers take
     longer than ``header_timeout_s`` seconds, and answering 431 (then closing) a request whose request line
     and headers run past ``max_head_bytes`` bytes before they end."""
-
-    class HeaderTimeoutProtocol(base):  # type: ignore[valid-type, misc]
-        _header_clock: asyncio.TimerHandle | None = None
-        _waiting_for: Any = None  # the cycle a new request's headers replace
-        _head_bytes = 0  # bytes of the request's head received so far
-        _refused = False  # a head past the bound was answered 431: what follows is dropped
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._start_header_clock()
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return  # the rest of a refused head, read and dropped until the connection closes
-            if self._header_clock is None and self._between_requests():
-                self._start_header_clock()
-            super().data_received(data)
-            if self._header_clock is not None and getattr(self, "cycle", None) is self._waiting_for:
-                self._head_bytes += len(data)  # the head has not ended: every byte so far was head
-                if self._head_bytes > max_head_bytes:
-                    self._refuse_head()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._stop_header_clock()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_header_clock()
-            super().connection_lost(exc)
-
-        def _between_requests(self) -> bool:
-            cycle = getattr(self, "cycle", None)
-            return cycle is None or bool(getattr(cycle, "response_complete", False))
-
-        def _start_header_clock(self) -> None:
-            waiting_for = getattr(self, "cycle", None)  # a new request replaces it once its headers are in
-            self._waiting_for, self._head_bytes = waiting_for, 0
-            self._header_clock = self.loop.call_later(header_timeout_s, self._headers_late, waiting_for)
-
-        def _refuse_head(self) -> None:
-            self._stop_header_clock()
-            transport = getattr(self, "transport", None)
-            if transport is None or transport.is_closing():
-                return
-            message = f"request line and headers longer than this server's limit of {max_head_bytes} bytes"
-            transport.write(_raw_response(431, message))
-            # A lingering close: the client may still be sending; closing with its bytes unread would reset
-            # the connection and could lose the answer. Read and drop for a moment, then close.
-            self._refused = True
-            if transport.can_write_eof():
-                transport.write_eof()
-            self.loop.call_later(LINGER_S, transport.close)
-
-        def _stop_header_clock(self) -> None:
-            if self._header_clock is not None:
-                self._header_clock.cancel()
-                self._header_clock = None
-
-        def _headers_late(self, waiting_for: Any) -> None:
-            self._header_clock = None
-            transport = getattr(self, "transport", None)
-            if getattr(self, "cycle", None) is waiting_for and transport is not None and not transport.is_closing():
-                transport.close()
-
-    HeaderTimeoutProtocol.__name__ = f"HeaderTimeout{base.__name__}"
-    return HeaderTimeoutProtocol
+    attributes = {"header_timeout_s": header_timeout_s, "max_head_bytes": max_head_bytes,
+                  "by_callbacks": hasattr(base, "on_header")}  # fmt: skip
+    return type(f"HeaderTimeout{base.__name__}", (_HeadGuard, base), attributes)
 
 
 def _raw_response(status: int, message: str) -> bytes:
