@@ -207,7 +207,7 @@ async def test_non_finite_constants_are_refused_while_parsing(api: Api, constant
 @pytest.mark.full_only  # vlguard's own door, whatever the vLLM; 130 MB of bodies: the default lane runs it
 async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
     """#44: a 47-57 MB body held the event loop 10-18 s (/health waited that long), 12 s of it the door's own
-    walk; a 30 MB /tokenize prompt ran the tokenizer 46-66 s. With both in flight, /health answers within 1 s
+    walk; a 30 MB /tokenize prompt ran the tokenizer 46-66 s. With both in flight, /health answers within 1.5 s
     each time (the door counts values before parsing, parses and checks large bodies off the loop, and
     refuses text that cannot fit before tokenizing it). So with bodies of many small objects (450,000 empty
     messages, 100,000 tools), which vLLM validated on the event loop for 1.5-5 s: refused by their count."""
@@ -234,7 +234,10 @@ async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
     statuses = [(await task).status_code for task in heavy]
     assert statuses[:2] == [413, 400], statuses
     assert statuses[2] < 500 and statuses[3:] == [413, 413], statuses
-    assert worst < 1.0, f"/health waited {worst:.2f} s"
+    # Standalone /health waits 0.54-0.58 s at worst here, 1.03 s once late in a full suite (CI): pydantic's
+    # parse of a 15-50 MB body in the door's thread holds the GIL throughout, and vLLM parses the 50 MB body the
+    # door lets through again, on the event loop. The bound guards against the 10-18 s this test was written for.
+    assert worst < 1.5, f"/health waited {worst:.2f} s"
 
 
 async def test_one_request_asks_for_a_bounded_number_of_sequences(api: Api) -> None:
