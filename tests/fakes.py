@@ -234,7 +234,7 @@ class FakeEngine:
                 if out:  # as a real engine's: the last step's output, not yet read, merged into the finish
                     out.append(next_token(ids + out))
                     text += f" t{out[-1]}"
-                tokens = out[len(out) - 1 :] if delta else list(out)
+                tokens = out[-1:] if delta else list(out)
                 yield _error_finish(request_id, ids, text[shown:] if delta else text, tokens)
                 return
             if step == 0 and self._poisoned(ids):
@@ -259,7 +259,7 @@ class FakeEngine:
                 logprobs=None,
                 finish_reason="length" if finished else None,
             )
-            shown = max(shown, visible) if delta else shown
+            shown = max(shown, visible)
             yield RequestOutput(
                 request_id=request_id,
                 prompt=None,

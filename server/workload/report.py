@@ -246,11 +246,7 @@ def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float
         for name, start, end in (*TRACE_PHASES, *GUARD_TRACE_PHASES):
             if start in points and end in points:
                 spans.setdefault(name, []).append(1000.0 * (points[end] - points[start]))
-    return {
-        name: {"p50": float(np.median(spans[name])), "mean": float(np.mean(spans[name])), "n": len(spans[name])}
-        for name, _, _ in (*TRACE_PHASES, *GUARD_TRACE_PHASES)
-        if name in spans
-    }
+    return _summaries(spans, [name for name, _, _ in (*TRACE_PHASES, *GUARD_TRACE_PHASES)])
 
 
 def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, int]]]) -> dict[str, dict[str, float]]:
@@ -267,9 +263,14 @@ def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, 
         for name, (start, end) in bounds.items():
             if start in points and end in points and points[start][1] == points[end][1]:
                 spans.setdefault(name, []).append(1000.0 * (points[end][0] - points[start][0]))
+    return _summaries(spans, GUARD_OWN_PHASES)
+
+
+def _summaries(spans: dict[str, list[float]], names: Iterable[str]) -> dict[str, dict[str, float]]:
+    """``{name: {"p50", "mean", "n"}}`` of the ``spans`` (ms) of each of ``names`` that has any, in that order."""
     return {
         name: {"p50": float(np.median(spans[name])), "mean": float(np.mean(spans[name])), "n": len(spans[name])}
-        for name in GUARD_OWN_PHASES
+        for name in names
         if name in spans
     }
 
