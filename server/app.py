@@ -167,6 +167,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.state.supervisor = supervisor
     app.state.settings = settings
     app.state.args = args
+    app.state.media = media  # the media policy (its decode pool: tests spy on it)
     app.state.pixel_bounds = BOUNDS_PENDING  # read from the model's processor once the engine is up
     app.state.poison_rules = None  # likewise
     app.state.item_limits = _item_limits_from_args(args)  # the engine's own once it is up

@@ -100,16 +100,15 @@ class GuardSettings(BaseSettings):
     request's ``media_io_kwargs`` asking for more, gets 400. Each frame meets the image limits."""
 
     decode_threads: int = Field(default=2, ge=1)
-    """Threads that decode and normalise images at the door (a pool of the door's own: vLLM's serving
-    layer never waits behind it)."""
+    """Images normalised at once (each on the vLLM media loading thread that loads it; images no
+    normalisation rule applies to never wait for this)."""
 
     decode_pixels: int | None = Field(default=None, gt=0)
-    """Pixels (width x height) the door may be decoding at once, over all its decode threads; an image
-    waits for its share (about 20 bytes a pixel while it is normalised). Default and minimum:
+    """Pixels (width x height) being normalised at once, over all images; an image waits for its share (about 20 bytes a pixel while it is normalised). Default and minimum:
     ``max_image_pixels`` (one image of the largest size allowed)."""
 
     image_normalize: bool = True
-    """Normalise images at the door so the engine sees what viewers show (on/off): EXIF orientation
+    """Normalise images where vLLM loads them so the engine sees what viewers show (on/off): EXIF orientation
     applied, transparency composited on white, 16/32-bit scaled to 8 bits (docs/input.md). Off: images
     reach vLLM exactly as sent (stock behaviour)."""
 

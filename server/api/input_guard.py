@@ -18,16 +18,16 @@ render) all but step 3:
    that the engine's backend cannot compile, out-of-vocabulary token ids, literal placeholder tokens);
 4. a JSON body's media items are counted against vLLM's per-prompt limit before anything is decoded,
    then its media parts and ``mm_processor_kwargs`` are checked by :func:`server.api.media.check_media`
-   (**400**/**413** with a message naming the part; headers only, no pixels), and its images normalised
-   (:mod:`server.api.pixels`) in the door's bounded decode pool (:mod:`server.api.decode_pool`). A body
-   that is not JSON goes on to vLLM, whose own 400 names the problem; JSON that is not an object, or
-   nested too deeply for Python's parser, gets **400** here (vLLM's request models would answer those
-   with a 500);
+   (**400**/**413** with a message naming the part: schemes, ``data:`` forms and sizes; nothing decoded).
+   An image's base64, header, pixels and checksums are checked, and the image normalised, where vLLM
+   loads it (:mod:`server.api.media_policy`: every route and part shape). A body that is not JSON goes
+   on to vLLM, whose own 400 names the problem; JSON that is not an object, or nested too deeply for
+   Python's parser, gets **400** here (vLLM's request models would answer those with a 500);
 5. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
-   (:mod:`server.api.remote_media`; **400**/**413**/**504**), after the count and before normalisation.
+   (:mod:`server.api.remote_media`; **400**/**413**/**504**), after the count.
 
-The body is then handed on (unchanged unless images were normalised or inlined). Every refusal uses the OpenAI
-error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
+The body is then handed on (unchanged unless client uuids were dropped or remote images inlined). Every
+refusal uses the OpenAI error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
 """
 
 from __future__ import annotations
@@ -42,17 +42,13 @@ import pydantic_core
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.admission import route_path
-from server.api.decode_pool import DecodePool
 from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_response
 from server.api.media import (
     MediaCheck,
     MediaError,
-    PendingImage,
     PixelBounds,
     check_media,
     count_items,
-    data_uri,
-    normalized_image,
     strip_client_uuids,
 )
 from server.api.media_policy import MediaPolicy
@@ -183,7 +179,6 @@ class InputGuardMiddleware:
         self.limits, self.remote = media.limits, media.remote  # the media policy vLLM's connector applies too
         self.pixel_bounds = pixel_bounds
         self.item_limits = item_limits
-        self.decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
         self.active = 0
         self.client_active = Counts()  # client identity -> its requests holding a slot now
         self.client_inflight = max(1, int(settings.max_inflight * settings.inflight_share))
@@ -381,8 +376,9 @@ class InputGuardMiddleware:
 
     async def _check(self, raw: bytes, generation: bool = True) -> bytes | None:
         """Check the body's known poison (generation routes) and media; returns the rewritten body when
-        anything was changed, else None. A body above :data:`_OFFLOAD_BYTES` is parsed and checked off the
-        event loop (other requests, /health and streams keep it)."""
+        anything was changed (client uuids dropped, remote images inlined), else None. A body above
+        :data:`_OFFLOAD_BYTES` is parsed and checked off the event loop (other requests, /health and
+        streams keep it)."""
         if len(raw) > _OFFLOAD_BYTES:
             found = await asyncio.to_thread(self._inspect, raw, generation)
         else:  # under a millisecond: a hop to a thread and back cost more under load, when the loop is busy
@@ -392,42 +388,14 @@ class InputGuardMiddleware:
         body = found.body
         if found.constraint is not None:
             await asyncio.to_thread(check_constraint, found.constraint, self.poison_rules())
-        # Pixels are decoded only in the decode pool, once everything else passed.
-        pending = list(found.media.pending)
         fetched = 0
         if self.limits.remote_media:
-            fetched, remote_pending = await inline_remote_media(body, self.limits, self.remote)
-            pending += remote_pending
-        normalized = await self._normalize(pending)
-        if not (found.changed or normalized > 0 or fetched > 0):
+            fetched = await inline_remote_media(body, self.limits, self.remote)
+        if not (found.changed or fetched > 0):
             return None
         if len(raw) > _OFFLOAD_BYTES:
             return await asyncio.to_thread(_dumps, body)
         return _dumps(body)
-
-    async def _normalize(self, pending: list[PendingImage]) -> int:
-        """Normalise ``pending`` images in the decode pool (together, each taking its pixels from the
-        budget) and rewrite their parts. Returns how many were rewritten.
-
-        Raises:
-            MediaError: 400 for the first image whose pixels cannot be decoded (the others are cancelled).
-        """
-        if not pending:
-            return 0
-        try:
-            async with asyncio.TaskGroup() as group:
-                jobs = [
-                    group.create_task(self.decoder.run(p.pixels, normalized_image, p.part.where, p.data, self.limits))
-                    for p in pending
-                ]
-        except BaseExceptionGroup as failed:
-            raise failed.exceptions[0].with_traceback(None) from None
-        rewritten = 0
-        for image, job in zip(pending, jobs, strict=True):
-            if (png := job.result()) is not None:
-                image.part.replace(data_uri("image/png", png))
-                rewritten += 1
-        return rewritten
 
     @staticmethod
     async def _refuse(

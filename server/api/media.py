@@ -5,10 +5,12 @@ First the media items are counted per modality against vLLM's per-prompt limit
 Then every multimodal content part (``image_url``, ``input_image``, ``video_url``, ``audio_url``,
 ``input_audio``) of a chat or responses request is checked by URL scheme:
 
-* ``data:`` URIs must be well-formed base64, non-empty and at most ``max_image_bytes`` decoded; images
-  are opened header-only (no pixel decoding) to check ``width x height`` against ``max_image_pixels``
-  (decompression bombs are refused before anything decodes them) and the aspect ratio against
-  ``max_aspect_ratio`` (Qwen's processor refuses above 200);
+* ``data:`` URIs must be well formed, non-empty and at most ``max_image_bytes`` decoded; other media than
+  images must be valid base64 too. An image is read no further here: vLLM's media layer, where every
+  route's images are loaded, checks its base64 and opens it header-only before decoding, to check
+  ``width x height`` against ``max_image_pixels`` (decompression bombs are refused before anything
+  decodes them) and the aspect ratio against ``max_aspect_ratio`` (Qwen's processor refuses above 200)
+  (:mod:`server.api.media_policy`);
 * ``http(s):`` image URLs only when remote media is enabled (``--guard-remote-media on``); vlguard then
   fetches them itself under its policy (:mod:`server.api.remote_media`) and vLLM never sees the URL;
 * ``file:`` URLs only when ``--allowed-local-media-path`` is set (vLLM then confines them to it);
@@ -16,10 +18,8 @@ Then every multimodal content part (``image_url``, ``input_image``, ``video_url`
 * ``mm_processor_kwargs`` may only lower the processed image size within the server's bounds
   (:func:`requested_pixel_bounds`), checked before any pixel work.
 
-With ``--guard-image-normalize on`` (the default), ``data:`` images that a rule of
-:mod:`server.api.pixels` applies to (EXIF orientation, transparency, 16/32-bit) are found here from their
-headers (:class:`PendingImage`); the door decodes and normalises them in its bounded decode pool
-(:mod:`server.api.decode_pool`) and replaces them in the body by the normalised PNG.
+Images are normalised (:mod:`server.api.pixels`) where vLLM loads them, not here
+(:meth:`server.api.media_policy.MediaPolicy.image_bytes`).
 
 Images smaller than the model's patch grid are not refused: Qwen3-VL's processor upscales them to its
 minimum pixel count.
@@ -121,21 +121,10 @@ class MediaPart:
         self.holder[self.key] = url
 
 
-@dataclass(frozen=True)
-class PendingImage:
-    """A ``data:`` image that passed the header checks and that a normalisation rule applies to: its
-    decoded bytes and its pixel count (``width x height``), for the door's decode pool."""
-
-    part: MediaPart
-    data: bytes
-    pixels: int
-
-
 class MediaCheck(NamedTuple):
-    """What :func:`check_media` found: media parts checked, and the images to normalise (not decoded yet)."""
+    """What :func:`check_media` found: the media parts checked."""
 
     parts: int
-    pending: tuple[PendingImage, ...] = ()
 
 
 #: The keys vLLM's chat parser reads a part by when it has no ``type``, or has a ``uuid``, in its order
@@ -248,34 +237,6 @@ def strip_client_uuids(body: dict[str, Any]) -> int:
     return dropped
 
 
-#: Base64 characters of a ``data:`` image the door decodes to read its header (48 KiB of image): the
-#: header of a PNG (up to its pixel data) or a JPEG (up to its scan) almost always lies inside it.
-HEADER_CHARS = 65536
-
-
-def _image_header(where: str, url: str, limits: MediaLimits) -> tuple[ImageHeader, bytes | None]:
-    """The header of a ``data:`` image (:func:`check_image_bytes` without the checksums, which vLLM's media
-    layer verifies where it loads the image) read from the start of its data, and its whole data only
-    when a normalisation rule applies (``None`` otherwise). Where the start does not hold the header,
-    the whole data is decoded and read.
-
-    Raises:
-        MediaError: as :func:`_decode_data_uri` and :func:`check_image_bytes`.
-    """
-    _, at = _data_uri_payload(where, url, limits)
-    if len(url) - at > HEADER_CHARS:
-        try:
-            start = pybase64.b64decode(url[at : at + HEADER_CHARS], validate=True)
-            header = check_image_bytes(where, start, limits, rules=True, checksums=False)
-        except ValueError:  # MediaError and binascii.Error are ValueErrors too
-            pass  # the header runs past the start (or the start is not base64): read the whole below
-        else:
-            return header, (_decode_payload(where, url, at) if header.rules else None)
-    data = _decode_payload(where, url, at)
-    header = check_image_bytes(where, data, limits, rules=True, checksums=False)
-    return header, data if header.rules else None
-
-
 def _data_uri_payload(where: str, url: str, limits: MediaLimits) -> tuple[str, int]:
     """A ``data:`` URI's MIME type and where its base64 payload starts, its form and size checked (nothing
     decoded, nothing copied: a payload is up to the body's size)."""
@@ -300,7 +261,7 @@ def _decode_payload(where: str, url: str, at: int) -> bytes:
         return pybase64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError(
-            HTTPStatus.BAD_REQUEST, f"{where}: invalid base64 in data URI ({_base64_error(payload)})"
+            HTTPStatus.BAD_REQUEST, f"{where}: invalid base64 in data URI ({base64_error(payload)})"
         ) from None
 
 
@@ -309,7 +270,7 @@ def _decode_data_uri(where: str, url: str, limits: MediaLimits) -> tuple[str, by
     return mime, _decode_payload(where, url, at)
 
 
-def _base64_error(payload: str) -> str:
+def base64_error(payload: str) -> str:
     """What is wrong with ``payload``, in the standard library's words ("Incorrect padding", "Only base64
     data is allowed"): pybase64 says "Non-base64 digit found" for every fault. Only on refusal."""
     try:
@@ -372,7 +333,7 @@ def check_image_bytes(
 
 def normalized_image(where: str, data: bytes, limits: MediaLimits) -> bytes | None:
     """Normalise one image that passed :func:`check_image_bytes` (:func:`server.api.pixels.normalize_image`):
-    decodes its pixels, so the door runs it in its decode pool (:mod:`server.api.decode_pool`).
+    decodes its pixels, so it runs in the media policy's decode pool (:mod:`server.api.decode_pool`).
 
     Returns:
         the normalised PNG when a rule applied, else None.
@@ -413,12 +374,12 @@ def check_media(
     """Check ``body``'s media without decoding any pixels: first the number of items per modality against
     ``item_limits`` (:func:`count_items`, before anything is decoded), then, given the server's
     ``pixel_bounds``, its ``mm_processor_kwargs`` (503 while they are :data:`BOUNDS_PENDING`), then every
-    part: URL scheme, base64, size, and for images the header (pixels, aspect ratio, normalisation rules;
-    the checksums are verified where vLLM loads the image). Nothing in ``body`` is changed.
+    part: URL scheme, and a ``data:`` URI's form and size (a ``data:`` image is read no further here:
+    its base64, header, pixels and checksums are checked, and it is normalised, where vLLM loads it:
+    :class:`server.api.media_policy.MediaPolicy`). Nothing in ``body`` is changed.
 
     Returns:
-        the parts checked and, with ``limits.normalize``, the ``data:`` images a normalisation rule applies
-        to (:class:`PendingImage`; the caller normalises them in its decode pool and rewrites the parts).
+        the parts checked.
 
     Raises:
         MediaError: the first part that is refused (400, or 413 for an oversized one; 503 for
@@ -433,15 +394,12 @@ def check_media(
     if pixel_bounds is not None:
         requested_pixel_bounds(body.get("mm_processor_kwargs"), pixel_bounds)
     count = 0
-    pending: list[PendingImage] = []
     for part in media_parts(body):
         where, kind, url = part.where, part.kind, part.url
         count += 1
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-        if scheme == "data" and part.is_image:  # an unchanged image keeps its URI (no re-encoding)
-            header, whole = _image_header(where, url, limits)
-            if whole is not None:
-                pending.append(PendingImage(part, whole, header.pixels))
+        if scheme == "data" and part.is_image:  # its header, checksums and pixels: where vLLM loads it
+            _data_uri_payload(where, url, limits)
         elif scheme == "data":
             mime, data = _decode_data_uri(where, url, limits)
             if mime.startswith("image/"):
@@ -463,7 +421,7 @@ def check_media(
                 )
         else:
             raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: unsupported {kind} URL {url[:40]!r}")
-    return MediaCheck(count, tuple(pending))
+    return MediaCheck(count)
 
 
 #: ``mm_processor_kwargs`` keys a request may set: the processed-size bounds of Qwen's image processor.

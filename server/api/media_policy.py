@@ -12,6 +12,10 @@ vlguard's connector (:mod:`server.vllm_hooks.media_connector`) applies this poli
 * **bytes and pixels before decoding**: an image (and each ``video/jpeg`` frame) at most ``max_image_mb``
   decoded, its ``width x height`` read from its header at most ``max_image_pixels``, its aspect ratio at
   most ``max_aspect_ratio``; a container video's frame size read from its header the same way;
+* **the picture people see** (``--guard-image-normalize on``): an image a rule of :mod:`server.api.pixels`
+  applies to (EXIF orientation, transparency, 16/32-bit) is normalised before vLLM decodes it, in the
+  bounded decode pool (:mod:`server.api.decode_pool`); every other image is loaded byte for byte. Video
+  frames are not normalised;
 * **frame count**: a video decodes at most ``--guard-max-video-frames`` frames;
 * **per-request ``media_io_kwargs``**: only ``video.num_frames`` (1 to the frame bound) and ``video.fps``
   (above 0, at most :data:`MAX_FPS`) may differ from the server's ``--media-io-kwargs``; anything else a
@@ -30,7 +34,8 @@ from typing import Any
 
 import pybase64
 
-from server.api.media import MediaError, MediaLimits, check_image_bytes
+from server.api.decode_pool import DecodePool
+from server.api.media import MediaError, MediaLimits, base64_error, check_image_bytes, normalized_image
 from server.api.remote_media import RemotePolicy, fetch_bytes
 from server.settings import GuardSettings
 from server.vllm_hooks.locations import upstream_image_rules
@@ -55,12 +60,14 @@ class MediaPolicy:
         remote: the remote-media host policy (used with ``limits.remote_media`` only).
         max_video_frames: the most frames one video may decode.
         server_io_kwargs: the server's ``--media-io-kwargs`` (modality -> kwargs): the operator's values.
+        decoder: the decode pool images are normalised in (``None``: on the calling thread, unbounded).
     """
 
     limits: MediaLimits
     remote: RemotePolicy
     max_video_frames: int
     server_io_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    decoder: DecodePool | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, settings: GuardSettings, args: Any) -> MediaPolicy:
@@ -78,7 +85,9 @@ class MediaPolicy:
         )
         hosts = frozenset(h.lower() for h in getattr(args, "allowed_media_domains", None) or ())
         remote = RemotePolicy(allowed_hosts=hosts, timeout_s=settings.remote_media_timeout)
-        return cls(limits, remote, settings.max_video_frames, dict(getattr(args, "media_io_kwargs", None) or {}))
+        io_kwargs = dict(getattr(args, "media_io_kwargs", None) or {})
+        decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
+        return cls(limits, remote, settings.max_video_frames, io_kwargs, decoder)
 
     def check_url(self, modality: str, url: str) -> str:
         """The URL's scheme (lower case), once ``modality``'s policy allows it; checked before any
@@ -141,17 +150,28 @@ class MediaPolicy:
         elif type(value) not in (int, float) or not (0 < value <= MAX_FPS and math.isfinite(value)):
             raise _refuse(f"media_io_kwargs.{modality}.{key} must be a number above 0 and at most {MAX_FPS:g}")
 
-    def image_bytes(self, where: str, data: bytes) -> None:
-        """Check an encoded image (or video frame) before it is decoded.
+    def image_bytes(self, where: str, data: bytes, normalize: bool = False) -> bytes:
+        """Check an encoded image (or video frame) before it is decoded and, with ``normalize`` and
+        ``limits.normalize``, normalise it (:mod:`server.api.pixels`: decodes its pixels in the decode pool,
+        :mod:`server.api.decode_pool`, blocking the calling thread until the pool takes it).
 
+        Returns:
+            the bytes to load: ``data``, or the normalised PNG when a rule applied.
         Raises:
             MediaError: too many bytes (413 at the door, 400 through vLLM), unreadable, too many pixels, too
-                elongated.
+                elongated, pixels that cannot be decoded.
         """
         if len(data) > self.limits.max_image_bytes:
             message = f"{where}: {len(data)} bytes, more than the limit of {self.limits.max_image_bytes}"
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
-        check_image_bytes(where, data, self.limits)
+        header = check_image_bytes(where, data, self.limits, rules=normalize)
+        if not header.rules:
+            return data
+        if self.decoder is None:
+            png = normalized_image(where, data, self.limits)
+        else:
+            png = self.decoder.run(header.pixels, normalized_image, where, data, self.limits)
+        return data if png is None else png
 
     def base64_payload(self, where: str, payload: str) -> bytes:
         """Decode a base64 payload whose decoded size is within the image byte bound (checked first).
@@ -164,7 +184,7 @@ class MediaPolicy:
         try:
             return pybase64.b64decode(payload, validate=True)
         except ValueError:
-            raise _refuse(f"{where}: not valid base64") from None
+            raise _refuse(f"{where}: invalid base64 in data URI ({base64_error(payload)})") from None
 
     def frames(self, where: str, count: int) -> None:
         """Check that a video decodes at most the frame bound (``count``: the frames vLLM would decode).

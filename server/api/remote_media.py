@@ -29,7 +29,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from server.api.media import MediaError, MediaLimits, MediaPart, PendingImage, check_image_bytes, data_uri, media_parts
+from server.api.media import MediaError, MediaLimits, MediaPart, check_image_bytes, data_uri, media_parts
 
 MAX_REDIRECTS = 3
 
@@ -120,45 +120,39 @@ async def fetch_bytes(where: str, url: str, max_bytes: int, policy: RemotePolicy
         raise MediaError(HTTPStatus.BAD_REQUEST, f"{where}: fetching the media failed ({type(exc).__name__})") from None
 
 
-async def fetch_image(part: MediaPart, limits: MediaLimits, policy: RemotePolicy) -> PendingImage | None:
-    """Fetch one image URL under ``policy`` (:func:`fetch_bytes`), check it as a ``data:`` image is checked
-    (header and checksums, no pixel decoding) and put it in ``part`` as a ``data:`` URI.
-
-    Returns:
-        the image as a :class:`PendingImage` when a normalisation rule applies to it (the door normalises
-        it in its decode pool), else None.
+async def fetch_image(part: MediaPart, limits: MediaLimits, policy: RemotePolicy) -> None:
+    """Fetch one image URL under ``policy`` (:func:`fetch_bytes`), read its header for its type and put it
+    in ``part`` as a ``data:`` URI (its checksums and pixels are checked, and it is normalised, where vLLM
+    loads it: :class:`server.api.media_policy.MediaPolicy`).
 
     Raises:
         MediaError: as :func:`fetch_bytes`, and 400 for an unreadable image.
     """
     where = part.where
     data = await fetch_bytes(where, part.url, limits.max_image_bytes, policy)
-    header = await asyncio.to_thread(check_image_bytes, where, data, limits, True)  # a 20 MB PNG's checksums
+    header = check_image_bytes(where, data, limits, checksums=False)  # the header only: microseconds
     part.replace(data_uri(header.mime, data))
-    return PendingImage(part, data, header.pixels) if header.rules else None
 
 
-async def inline_remote_media(
-    body: dict[str, Any], limits: MediaLimits, policy: RemotePolicy
-) -> tuple[int, list[PendingImage]]:
+async def inline_remote_media(body: dict[str, Any], limits: MediaLimits, policy: RemotePolicy) -> int:
     """Replace every ``http(s)`` image URL in ``body`` (in place) by the fetched image as a ``data:`` URI.
     Fetches run concurrently (as many as the request has images: the door counted them against the
     per-prompt limit first); the first failure cancels the others.
 
     Returns:
-        ``(fetched, pending)``: how many images were fetched, and those a normalisation rule applies to
-        (not decoded yet).
+        how many images were fetched.
 
     Raises:
         MediaError: from :func:`fetch_image`, for the first URL that failed.
     """
     targets = [p for p in media_parts(body) if p.is_image and p.url.lower().startswith(("http://", "https://"))]
     if not targets:
-        return 0, []
+        return 0
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(fetch_image(p, limits, policy)) for p in targets]
+            for p in targets:
+                group.create_task(fetch_image(p, limits, policy))
     except BaseExceptionGroup as failed:
         first = failed.exceptions[0]
         raise first.with_traceback(None) from None
-    return len(targets), [pending for task in tasks if (pending := task.result()) is not None]
+    return len(targets)

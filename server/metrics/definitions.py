@@ -148,12 +148,12 @@ BODY_BYTES = Gauge(
 )
 DECODE_PIXELS = Gauge(
     "vlguard_decode_pixels",
-    "Pixels of the images the door is decoding now (bounded by --guard-decode-pixels).",
+    "Pixels of the images being normalised now (bounded by --guard-decode-pixels).",
     multiprocess_mode="mostrecent",
 )
 DECODE_WAITING = Gauge(
     "vlguard_decode_waiting",
-    "Images waiting for the door's decode pool (its pixel budget spent).",
+    "Images waiting to be normalised (the decode pool's slots or pixel budget spent).",
     multiprocess_mode="mostrecent",
 )
 CLIENT_FAULTS = Counter(

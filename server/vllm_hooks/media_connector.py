@@ -9,7 +9,7 @@ Every media item vLLM's front end loads (any route, any part or item shape) goes
 * the URL's scheme before any connection; a remote image (remote media on) is fetched by vlguard's own
   fetcher (each redirect hop checked, the bytes bounded as they arrive), never by vLLM's;
 * the bytes of each image, each ``video/jpeg`` frame and each container video before they are decoded
-  (the media IO object vLLM hands to its loaders is wrapped).
+  (the media IO object vLLM hands to its loaders is wrapped); an image is normalised there too.
 
 With client uuids untrusted (the default), :func:`install` also makes vLLM's multimodal item trackers
 forget the uuids a request named (vllm#55547: a uuid would answer about another picture): vLLM hashes the
@@ -38,7 +38,7 @@ class MediaPolicy(Protocol):
     def check_io_kwargs(self, merged: dict[str, dict[str, Any]] | None) -> None: ...
     def check_url(self, modality: str, url: str) -> str: ...
     async def fetch(self, url: str) -> bytes: ...
-    def image_bytes(self, where: str, data: bytes) -> None: ...
+    def image_bytes(self, where: str, data: bytes, normalize: bool = False) -> bytes: ...
     def base64_payload(self, where: str, payload: str) -> bytes: ...
     def frames(self, where: str, count: int) -> None: ...
     def video_container(self, where: str, data: bytes, num_frames: int) -> None: ...
@@ -64,8 +64,7 @@ class _CheckedImageIO:
         return getattr(self._inner, name)
 
     def load_bytes(self, data: bytes) -> Any:
-        _current().image_bytes(self._where, data)
-        return self._inner.load_bytes(data)
+        return self._inner.load_bytes(_current().image_bytes(self._where, data, normalize=self._where == "image"))
 
     def load_base64(self, media_type: str, data: str) -> Any:
         return self.load_bytes(_current().base64_payload(self._where, data))

@@ -1,7 +1,7 @@
 """Bounds before work (#34): media items counted against vLLM's per-prompt limit before anything is
-decoded or fetched; pixel work only in the door's decode pool, within its pixel budget, while other
-requests go on; remote fetches cancelled together on the first failure; a malformed URL is a 400 without
-a traceback. In-process (vlguard's own layer over vLLM's real serving layer; the tiny profile allows 4
+decoded or fetched; pixel work only in the decode pool where vLLM loads images, within its pixel budget,
+while other requests go on; remote fetches cancelled together on the first failure; a malformed URL is a
+400 without a traceback. In-process (vlguard's own layer over vLLM's real serving layer; the tiny profile allows 4
 images and no video per prompt)."""
 
 from __future__ import annotations
@@ -28,20 +28,24 @@ PIXELS = 4000 * 4000
 
 
 class _DecodeSpy:
-    """Wraps the door's decode pool: records every job and the pixels in progress at once (``api`` must
-    have served a request: Starlette builds the middleware at the first)."""
+    """Wraps the media policy's decode pool (where vLLM loads images): records every job and the pixels in
+    progress at once."""
 
     def __init__(self, api: Api) -> None:
-        self.pool = api.app.state.input_guard.decoder
-        self.jobs = 0
+        self.pool = api.app.state.media.decoder
+        self.started: list[int] = []  # one entry a job (appended from vLLM's media threads)
         self.peak = 0
         run = self.pool.run
 
-        async def spied(pixels: int, fn: Callable[..., Any], *args: object) -> Any:
-            self.jobs += 1
-            return await run(pixels, fn, *args)
+        def spied(pixels: int, fn: Callable[..., Any], *args: object) -> Any:
+            self.started.append(pixels)
+            return run(pixels, fn, *args)
 
         self.pool.run = spied
+
+    @property
+    def jobs(self) -> int:
+        return len(self.started)
 
     def busy(self) -> bool:
         self.peak = max(self.peak, self.pool.max_pixels - self.pool.free)

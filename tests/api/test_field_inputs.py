@@ -43,6 +43,32 @@ async def test_field_images_reach_the_engine_as_viewers_show_them(api: Api, row:
     assert not torch.equal(got, await pixels_for(api, stock))  # the test can tell the two apart
 
 
+def _responses(model: str, uri: str) -> dict[str, Any]:
+    image = {"type": "input_image", "image_url": uri, "detail": "auto"}
+    return {"model": model, "max_output_tokens": 1, "input": [{"role": "user", "content": [image]}]}
+
+
+def _messages(model: str, uri: str) -> dict[str, Any]:
+    mime, data = uri.removeprefix("data:").split(";base64,")
+    image = {"type": "image", "source": {"type": "base64", "media_type": mime, "data": data}}
+    return {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": [image]}]}
+
+
+#: Routes and request shapes an image reaches the engine by (the chat route: pixels_for).
+SHAPES = {RESPONSES: _responses, "/v1/messages": _messages}
+
+
+@pytest.mark.parametrize("path", sorted(SHAPES))
+async def test_images_are_normalised_on_every_route_as_on_chat(api: Api, path: str) -> None:
+    """Normalisation happens where vLLM loads an image, so every route and part shape gets it: until it
+    moved there from the door, which reads chat and Responses message parts only, an Anthropic image
+    reached the engine as vLLM alone converts it (a rotated photo on its side)."""
+    for row, (sent, shown, _) in sorted(FIELD.items()):
+        resp = await api.client.post(path, json=SHAPES[path](api.model, data_uri(sent, "image/png")))
+        assert resp.status_code == 200, (row, resp.text[:300])
+        assert torch.equal(engine_pixels(api), await pixels_for(api, shown)), f"{path} {row}: not what people see"
+
+
 #: The pixels.py rule each field row exercises.
 RULES = {"exif-jpeg": "orientation", "palette-trns": "transparency", "grey16": "bit-depth"}
 

@@ -4,12 +4,15 @@ pixels from headers, frames, per-request ``media_io_kwargs``."""
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from server.api.media import MediaError
 from server.api.media_policy import MediaPolicy
@@ -95,8 +98,56 @@ def test_images_are_checked_from_their_header_and_bytes() -> None:
         p.image_bytes("image", b"\0" * 20_000)
     with pytest.raises(MediaError, match="more than 10485 bytes"):
         p.base64_payload("image", "A" * 20_000)
-    with pytest.raises(MediaError, match="not valid base64"):
+    with pytest.raises(MediaError, match="invalid base64"):
         p.base64_payload("image", "!!!!")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (_b64(png(2000, 1000)), "pixels"),
+        (_b64(png(400, 1)), "aspect ratio"),
+        ("****", "invalid base64"),
+        ("aGVsbG8", "Incorrect padding"),  # unpadded
+        ("aGVs\nbG8=", "Only base64 data"),  # line-wrapped
+        ("aGVsbG8é", "invalid base64"),  # not ASCII
+        (_b64(b"not an image"), "not a readable image"),
+    ],
+)
+def test_an_image_refused_where_vllm_loads_it_names_the_problem(payload: str, words: str) -> None:
+    """What the door no longer reads (tests/unit/test_media.py): refused in the media layer, as a 400."""
+    p = policy(max_image_pixels=1_000_000)
+    with pytest.raises(MediaError) as err:
+        p.image_bytes("image", p.base64_payload("image", payload), normalize=True)
+    assert err.value.status == 400 and str(err.value).startswith("image: ") and words in str(err.value)
+
+
+def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_others_pass_unchanged() -> None:
+    """Grey with alpha: composited on white as an RGB PNG, its pixels taken from the pool's budget; an RGB
+    image, a video frame, or normalisation off: the bytes sent, unchanged."""
+    buf = io.BytesIO()
+    Image.new("LA", (8, 6)).save(buf, "PNG")
+    alpha, rgb = buf.getvalue(), png(8, 6)
+    p = policy()
+    assert p.decoder is not None
+    taken: list[int] = []
+    run = p.decoder.run
+
+    def spied(pixels: int, fn: Any, *args: object) -> Any:
+        taken.append(pixels)
+        return run(pixels, fn, *args)
+
+    object.__setattr__(p.decoder, "run", spied)
+    out = p.image_bytes("image", alpha, normalize=True)
+    assert out != alpha and Image.open(io.BytesIO(out)).mode == "RGB" and taken == [48]
+    assert p.image_bytes("image", rgb, normalize=True) is rgb
+    assert p.image_bytes("video frame", alpha) is alpha
+    assert policy(image_normalize=False).image_bytes("image", alpha, normalize=True) is alpha
+    assert taken == [48]
 
 
 def test_a_container_video_is_checked_from_its_header() -> None:
