@@ -100,12 +100,13 @@ class GuardSettings(BaseSettings):
     request's ``media_io_kwargs`` asking for more, gets 400. Each frame meets the image limits."""
 
     decode_threads: int = Field(default=2, ge=1)
-    """Images normalised at once (each on the vLLM media loading thread that loads it; images no
-    normalisation rule applies to never wait for this)."""
+    """Threads that normalise images, where vLLM loads them (a pool of vlguard's own: an image waiting
+    for it holds none of vLLM's threads; images no normalisation rule applies to never wait for it)."""
 
     decode_pixels: int | None = Field(default=None, gt=0)
-    """Pixels (width x height) being normalised at once, over all images; an image waits for its share (about 20 bytes a pixel while it is normalised). Default and minimum:
-    ``max_image_pixels`` (one image of the largest size allowed)."""
+    """Pixels (width x height) being normalised at once, over all decode threads; an image waits for its
+    share (about 20 bytes a pixel while it is normalised). Default and minimum: ``max_image_pixels``
+    (one image of the largest size allowed)."""
 
     image_normalize: bool = True
     """Normalise images where vLLM loads them so the engine sees what viewers show (on/off): EXIF orientation

@@ -35,7 +35,7 @@ from typing import Any
 import pybase64
 
 from server.api.decode_pool import DecodePool
-from server.api.media import MediaError, MediaLimits, base64_error, check_image_bytes, normalized_image
+from server.api.media import ImageHeader, MediaError, MediaLimits, base64_error, check_image_bytes, normalized_image
 from server.api.remote_media import RemotePolicy, fetch_bytes
 from server.settings import GuardSettings
 from server.vllm_hooks.locations import upstream_image_rules
@@ -60,7 +60,7 @@ class MediaPolicy:
         remote: the remote-media host policy (used with ``limits.remote_media`` only).
         max_video_frames: the most frames one video may decode.
         server_io_kwargs: the server's ``--media-io-kwargs`` (modality -> kwargs): the operator's values.
-        decoder: the decode pool images are normalised in (``None``: on the calling thread, unbounded).
+        decoder: the decode pool images are normalised in (``None``: on the calling thread).
     """
 
     limits: MediaLimits
@@ -150,28 +150,41 @@ class MediaPolicy:
         elif type(value) not in (int, float) or not (0 < value <= MAX_FPS and math.isfinite(value)):
             raise _refuse(f"media_io_kwargs.{modality}.{key} must be a number above 0 and at most {MAX_FPS:g}")
 
-    def image_bytes(self, where: str, data: bytes, normalize: bool = False) -> bytes:
-        """Check an encoded image (or video frame) before it is decoded and, with ``normalize`` and
-        ``limits.normalize``, normalise it (:mod:`server.api.pixels`: decodes its pixels in the decode pool,
-        :mod:`server.api.decode_pool`, blocking the calling thread until the pool takes it).
+    def image_bytes(self, where: str, data: bytes, rules: bool = False) -> ImageHeader:
+        """Check an encoded image (or video frame) before it is decoded.
 
+        Arguments:
+            rules: read the normalisation rules that apply to it too (with ``limits.normalize``).
         Returns:
-            the bytes to load: ``data``, or the normalised PNG when a rule applied.
+            its header (:class:`~server.api.media.ImageHeader`); ``rules`` empty when it is loaded as sent.
         Raises:
             MediaError: too many bytes (413 at the door, 400 through vLLM), unreadable, too many pixels, too
-                elongated, pixels that cannot be decoded.
+                elongated.
         """
         if len(data) > self.limits.max_image_bytes:
             message = f"{where}: {len(data)} bytes, more than the limit of {self.limits.max_image_bytes}"
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message)
-        header = check_image_bytes(where, data, self.limits, rules=normalize)
-        if not header.rules:
-            return data
+        return check_image_bytes(where, data, self.limits, rules=rules)
+
+    def normalized(self, where: str, data: bytes) -> bytes:
+        """An image :meth:`image_bytes` found rules for, normalised on the calling thread (vLLM's
+        synchronous loading path, which its OpenAI server does not take: :meth:`normalized_async`).
+
+        Raises:
+            MediaError: 400 when its pixels cannot be decoded.
+        """
+        return normalized_image(where, data, self.limits) or data
+
+    async def normalized_async(self, where: str, data: bytes, pixels: int) -> bytes:
+        """:meth:`normalized` in the decode pool (:mod:`server.api.decode_pool`): its own threads, within
+        its pixel budget (``pixels``: the image's ``width x height``); the caller waits holding no thread.
+
+        Raises:
+            MediaError: 400 when its pixels cannot be decoded.
+        """
         if self.decoder is None:
-            png = normalized_image(where, data, self.limits)
-        else:
-            png = self.decoder.run(header.pixels, normalized_image, where, data, self.limits)
-        return data if png is None else png
+            return self.normalized(where, data)
+        return await self.decoder.run(pixels, self.normalized, where, data)
 
     def base64_payload(self, where: str, payload: str) -> bytes:
         """Decode a base64 payload whose decoded size is within the image byte bound (checked first).

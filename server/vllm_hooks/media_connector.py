@@ -9,7 +9,9 @@ Every media item vLLM's front end loads (any route, any part or item shape) goes
 * the URL's scheme before any connection; a remote image (remote media on) is fetched by vlguard's own
   fetcher (each redirect hop checked, the bytes bounded as they arrive), never by vLLM's;
 * the bytes of each image, each ``video/jpeg`` frame and each container video before they are decoded
-  (the media IO object vLLM hands to its loaders is wrapped); an image is normalised there too.
+  (the media IO object vLLM hands to its loaders is wrapped); an image a normalisation rule applies to
+  is handed back from vLLM's loading thread and normalised in the decode pool
+  (:mod:`server.api.decode_pool`), so that waiting for the pool holds none of vLLM's loading threads.
 
 With client uuids untrusted (the default), :func:`install` also makes vLLM's multimodal item trackers
 forget the uuids a request named (vllm#55547: a uuid would answer about another picture): vLLM hashes the
@@ -38,7 +40,9 @@ class MediaPolicy(Protocol):
     def check_io_kwargs(self, merged: dict[str, dict[str, Any]] | None) -> None: ...
     def check_url(self, modality: str, url: str) -> str: ...
     async def fetch(self, url: str) -> bytes: ...
-    def image_bytes(self, where: str, data: bytes, normalize: bool = False) -> bytes: ...
+    def image_bytes(self, where: str, data: bytes, rules: bool = False) -> Any: ...
+    def normalized(self, where: str, data: bytes) -> bytes: ...
+    async def normalized_async(self, where: str, data: bytes, pixels: int) -> bytes: ...
     def base64_payload(self, where: str, payload: str) -> bytes: ...
     def frames(self, where: str, count: int) -> None: ...
     def video_container(self, where: str, data: bytes, num_frames: int) -> None: ...
@@ -54,17 +58,38 @@ def _current() -> MediaPolicy:
     return _policy[-1]
 
 
-class _CheckedImageIO:
-    """An image media IO whose loads meet the policy first (``where``: ``image`` or ``video frame``)."""
+class _Deferred(Exception):
+    """An image a normalisation rule applies to, handed back from vLLM's media loading thread to the
+    connector's coroutine: it waits for the decode pool there, holding no loading thread."""
 
-    def __init__(self, inner: Any, where: str) -> None:
-        self._inner, self._where = inner, where
+    def __init__(self, data: bytes, pixels: int) -> None:
+        super().__init__("an image to normalise")
+        self.data, self.pixels = data, pixels
+
+
+class _CheckedImageIO:
+    """An image media IO whose loads meet the policy first (``where``: ``image`` or ``video frame``).
+    An image a normalisation rule applies to is normalised on the calling thread, or with ``defer``
+    handed back (:class:`_Deferred`) to be normalised in the decode pool; video frames are not."""
+
+    def __init__(self, inner: Any, where: str, defer: bool = False) -> None:
+        self._inner, self._where, self._defer = inner, where, defer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def load_bytes(self, data: bytes) -> Any:
-        return self._inner.load_bytes(_current().image_bytes(self._where, data, normalize=self._where == "image"))
+        policy = _current()
+        header = policy.image_bytes(self._where, data, rules=self._where == "image")
+        if header.rules and self._defer:
+            raise _Deferred(data, header.pixels)
+        if header.rules:
+            data = policy.normalized(self._where, data)
+        return self._inner.load_bytes(data)
+
+    def load_normalized(self, data: bytes) -> Any:
+        """Load an image the policy has normalised (checked already)."""
+        return self._inner.load_bytes(data)
 
     def load_base64(self, media_type: str, data: str) -> Any:
         return self.load_bytes(_current().base64_payload(self._where, data))
@@ -105,14 +130,15 @@ class _CheckedVideoIO:
         return self.load_bytes(Path(filepath).read_bytes())
 
 
-def _checked_io(media_io: Any) -> tuple[str, Any]:
-    """``(modality, media IO)``: the IO vLLM built, wrapped when it loads images or videos."""
+def _checked_io(media_io: Any, defer: bool = False) -> tuple[str, Any]:
+    """``(modality, media IO)``: the IO vLLM built, wrapped when it loads images or videos (``defer``: an
+    image to normalise is handed back, :class:`_Deferred`)."""
     from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
 
     if isinstance(media_io, VideoMediaIO):
         return "video", _CheckedVideoIO(media_io)
     if isinstance(media_io, ImageMediaIO):
-        return "image", _CheckedImageIO(media_io, "image")
+        return "image", _CheckedImageIO(media_io, "image", defer)
     return type(media_io).__name__.removesuffix("MediaIO").lower() or "media", media_io
 
 
@@ -131,11 +157,16 @@ def _connector_class(base: type) -> type:
             return super().load_from_url(url, checked, **kwargs)
 
         async def load_from_url_async(self, url: str, media_io: Any, **kwargs: Any) -> Any:
-            modality, checked = _checked_io(media_io)
-            if _current().check_url(modality, url) in ("http", "https"):  # fetched by vlguard, never by vLLM
-                data = await _current().fetch(url)
-                return await asyncio.get_running_loop().run_in_executor(None, checked.load_bytes, data)
-            return await super().load_from_url_async(url, checked, **kwargs)
+            modality, checked = _checked_io(media_io, defer=True)
+            loop = asyncio.get_running_loop()
+            try:
+                if _current().check_url(modality, url) in ("http", "https"):  # fetched by vlguard, never by vLLM
+                    data = await _current().fetch(url)
+                    return await loop.run_in_executor(None, checked.load_bytes, data)
+                return await super().load_from_url_async(url, checked, **kwargs)
+            except _Deferred as image:  # normalised in the decode pool; no loading thread waits for it
+                normalized = await _current().normalized_async("image", image.data, image.pixels)
+                return await loop.run_in_executor(None, checked.load_normalized, normalized)
 
     return GuardedMediaConnector
 

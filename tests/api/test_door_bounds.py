@@ -28,24 +28,32 @@ PIXELS = 4000 * 4000
 
 
 class _DecodeSpy:
-    """Wraps the media policy's decode pool (where vLLM loads images): records every job and the pixels in
-    progress at once."""
+    """Wraps the media policy's decode pool (where vLLM loads images): records every job, the jobs done,
+    and the pixels in progress at once."""
 
     def __init__(self, api: Api) -> None:
         self.pool = api.app.state.media.decoder
-        self.started: list[int] = []  # one entry a job (appended from vLLM's media threads)
+        self.started: list[int] = []  # one entry a job (waiting or decoding)
+        self.done: list[int] = []
         self.peak = 0
         run = self.pool.run
 
-        def spied(pixels: int, fn: Callable[..., Any], *args: object) -> Any:
+        async def spied(pixels: int, fn: Callable[..., Any], *args: object) -> Any:
             self.started.append(pixels)
-            return run(pixels, fn, *args)
+            try:
+                return await run(pixels, fn, *args)
+            finally:
+                self.done.append(pixels)
 
         self.pool.run = spied
 
     @property
     def jobs(self) -> int:
         return len(self.started)
+
+    @property
+    def finished(self) -> int:
+        return len(self.done)
 
     def busy(self) -> bool:
         self.peak = max(self.peak, self.pool.max_pixels - self.pool.free)
@@ -73,28 +81,31 @@ async def test_more_items_than_the_per_prompt_limit_are_refused_before_any_decod
 
 
 async def test_pixel_work_stays_within_the_budget_while_other_requests_go_on(make_api: Callable[..., Any]) -> None:
-    """Three requests of two 16-bit 16-megapixel images, with a budget of two such images decoding
-    at once: the budget holds, and a text request sent meanwhile is answered while they still decode."""
+    """Three requests of four 16-bit 16-megapixel images each, with a budget of two such images decoding
+    at once: the budget holds, and an image request sent meanwhile is answered before the first of them
+    is done. The ten images waiting for the budget hold none of vLLM's eight media loading threads (when
+    they did, an image request sent meanwhile waited behind them)."""
     api: Api = await make_api("--guard-max-image-pixels", str(PIXELS), "--guard-decode-pixels", str(2 * PIXELS))
     assert (await api.client.get("/health")).status_code == 200
     spy = _DecodeSpy(api)
     heavy = [
-        asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model, *[DEEP] * 2)))
+        asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model, *[DEEP] * 4)))
         for _ in range(3)
     ]
     deadline = time.monotonic() + WAIT_S
-    while not spy.busy():
-        assert time.monotonic() < deadline, "no decode started"
+    while spy.jobs < 12:  # every image read and waiting for the pool or decoding
+        assert time.monotonic() < deadline, f"{spy.jobs} of 12 images reached the decode pool"
         await asyncio.sleep(0.01)
-    light = asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model, text="Hi")))
-    while not light.done():  # sample the budget in use until the text request is answered
+    light_body = chat_body(api.model, data_uri(png(64, 48), "image/png"), text="Hi")
+    light = asyncio.create_task(api.client.post("/v1/chat/completions", json=light_body))
+    while not light.done():  # sample the budget in use until the image request is answered
         spy.busy()
         await asyncio.sleep(0.005)
     assert (await light).status_code == 200
-    assert spy.busy(), "the decodes ended before the text request: this test shows nothing"
-    for resp in await asyncio.wait_for(asyncio.gather(*heavy), WAIT_S):
+    assert spy.finished == 0, f"the image request waited for {spy.finished} normalisations to end"
+    for resp in await asyncio.wait_for(asyncio.gather(*heavy), 4 * WAIT_S):
         assert resp.status_code == 200, resp.text
-    assert spy.jobs == 6 and 0 < spy.peak <= 2 * PIXELS and not spy.busy()
+    assert spy.jobs == 12 and 0 < spy.peak <= 2 * PIXELS and not spy.busy()
 
 
 class _Drip(http.server.BaseHTTPRequestHandler):

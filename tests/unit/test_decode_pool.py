@@ -1,11 +1,10 @@
-"""The decode pool: at most so many jobs at once, a pixel budget served in arrival order, pixels given
-back only when a job really ends (raised included). Jobs run on the caller's thread (vLLM's media
-loading threads), which blocks until the pool takes the job."""
+"""The decode pool: its own threads, a pixel budget served in arrival order, pixels given back
+only when a decode really ends (cancelled callers included)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,76 +14,76 @@ WAIT_S = 5
 
 
 class _Job:
-    """A decode that blocks its thread until released."""
+    """A decode that blocks its thread until released, recording how many run at once."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.started = threading.Event()
 
-    def __call__(self, name: str) -> str:
+    def __call__(self, name: str, log: list[str]) -> str:
         self.started.set()
         assert self.release.wait(WAIT_S)
+        assert threading.current_thread().name.startswith("vlguard-decode")  # the pool's own threads
+        log.append(name)
         return name
 
 
-def _waiting(pool: DecodePool, n: int) -> None:
-    """Wait until ``n`` jobs wait in ``pool`` (what the pool reports, not a sleep)."""
-    with pool._changed:
-        assert pool._changed.wait_for(lambda: len(pool._queue) == n, WAIT_S)
+async def _started(job: _Job) -> None:
+    assert await asyncio.to_thread(job.started.wait, WAIT_S)
 
 
-def test_the_budget_bounds_the_pixels_decoding_at_once_in_arrival_order() -> None:
+async def test_the_budget_bounds_the_pixels_decoding_at_once_in_arrival_order() -> None:
     pool = DecodePool(threads=4, max_pixels=100)
-    big, second, third = _Job(), _Job(), _Job()
-    with ThreadPoolExecutor(3) as threads:
-        first = threads.submit(pool.run, 60, big, "big")
-        assert big.started.wait(WAIT_S)
-        blocked = threads.submit(pool.run, 60, second, "second")  # 60 + 60 > 100: waits
-        _waiting(pool, 1)
-        behind = threads.submit(pool.run, 10, third, "third")  # fits, but arrived after: waits too
-        _waiting(pool, 2)
-        assert pool.free == 40 and not second.started.is_set() and not third.started.is_set()
-        big.release.set()
-        assert first.result(WAIT_S) == "big"
-        assert second.started.wait(WAIT_S) and third.started.wait(WAIT_S)
-        second.release.set()
-        third.release.set()
-        assert [blocked.result(WAIT_S), behind.result(WAIT_S)] == ["second", "third"]
-    assert pool.free == 100 and pool.running == 0
+    log: list[str] = []
+    big, small, later = _Job(), _Job(), _Job()
+    first = asyncio.create_task(pool.run(60, big, "big", log))
+    await _started(big)
+    blocked = asyncio.create_task(pool.run(60, small, "second", log))  # 60 + 60 > 100: waits
+    behind = asyncio.create_task(pool.run(10, later, "third", log))  # fits, but arrived after: waits too
+    await asyncio.sleep(0)
+    assert pool.free == 40 and not small.started.is_set() and not later.started.is_set()
+    big.release.set()
+    assert await first == "big"
+    await _started(small)
+    await _started(later)
+    small.release.set()
+    later.release.set()
+    assert await asyncio.gather(blocked, behind) == ["second", "third"]
+    assert pool.free == 100
+    pool.shutdown()
 
 
-def test_at_most_threads_jobs_run_at_once() -> None:
-    pool = DecodePool(threads=1, max_pixels=100)
-    one, two = _Job(), _Job()
-    with ThreadPoolExecutor(2) as threads:
-        first = threads.submit(pool.run, 1, one, "one")
-        assert one.started.wait(WAIT_S)
-        second = threads.submit(pool.run, 1, two, "two")  # pixels enough, no slot
-        _waiting(pool, 1)
-        assert not two.started.is_set()
-        one.release.set()
-        two.release.set()
-        assert (first.result(WAIT_S), second.result(WAIT_S)) == ("one", "two")
-
-
-def test_a_job_larger_than_the_budget_runs_alone() -> None:
+async def test_a_job_larger_than_the_budget_runs_alone() -> None:
     pool = DecodePool(threads=2, max_pixels=100)
     job = _Job()
     job.release.set()
-    assert pool.run(10_000, job, "huge") == "huge"
+    assert await pool.run(10_000, job, "huge", []) == "huge"
     assert pool.free == 100
+    pool.shutdown()
 
 
-def test_a_job_that_raises_gives_its_pixels_and_slot_back() -> None:
-    pool = DecodePool(threads=1, max_pixels=100)
-
-    def broken() -> None:
-        raise OSError("truncated")
-
-    with pytest.raises(OSError, match="truncated"):
-        pool.run(100, broken)
-    assert pool.free == 100 and pool.running == 0
-    assert pool.run(100, lambda: "after") == "after"
+async def test_a_cancelled_caller_gives_its_place_up_or_its_pixels_back_when_the_decode_ends() -> None:
+    pool = DecodePool(threads=2, max_pixels=100)
+    running, waiting, after = _Job(), _Job(), _Job()
+    first = asyncio.create_task(pool.run(100, running, "running", []))
+    await _started(running)
+    second = asyncio.create_task(pool.run(100, waiting, "waiting", []))
+    await asyncio.sleep(0)
+    second.cancel()  # gave up while waiting: never runs
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    first.cancel()  # gave up while decoding: the thread goes on, and so does its budget
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert pool.free == 0
+    third = asyncio.create_task(pool.run(100, after, "after", []))
+    await asyncio.sleep(0)
+    assert not after.started.is_set()
+    running.release.set()  # the first decode ends: its pixels come back, the third runs
+    after.release.set()
+    assert await asyncio.wait_for(third, WAIT_S) == "after"
+    assert not waiting.started.is_set() and pool.free == 100
+    pool.shutdown()
 
 
 def test_a_pool_needs_threads_and_pixels() -> None:

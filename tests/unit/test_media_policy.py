@@ -122,41 +122,32 @@ def test_an_image_refused_where_vllm_loads_it_names_the_problem(payload: str, wo
     """What the door no longer reads (tests/unit/test_media.py): refused in the media layer, as a 400."""
     p = policy(max_image_pixels=1_000_000)
     with pytest.raises(MediaError) as err:
-        p.image_bytes("image", p.base64_payload("image", payload), normalize=True)
+        p.image_bytes("image", p.base64_payload("image", payload), rules=True)
     assert err.value.status == 400 and str(err.value).startswith("image: ") and words in str(err.value)
 
 
-def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_others_pass_unchanged() -> None:
-    """Grey with alpha: composited on white as an RGB PNG, its pixels taken from the pool's budget; an RGB
-    image, a video frame, or normalisation off: the bytes sent, unchanged."""
+async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_others_pass_unchanged() -> None:
+    """Grey with alpha: its header names the rule, and it is composited on white as an RGB PNG in the
+    decode pool, its pixels taken from the pool's budget; an RGB image, a video frame (rules not asked
+    for), or normalisation off: no rule, loaded as sent."""
     buf = io.BytesIO()
     Image.new("LA", (8, 6)).save(buf, "PNG")
     alpha, rgb = buf.getvalue(), png(8, 6)
     p = policy()
     assert p.decoder is not None
+    header = p.image_bytes("image", alpha, rules=True)
+    assert (header.rules, header.pixels) == (["transparency"], 48)
     taken: list[int] = []
     run = p.decoder.run
 
-    def spied(pixels: int, fn: Any, *args: object) -> Any:
+    async def spied(pixels: int, fn: Any, *args: object) -> Any:
         taken.append(pixels)
-        return run(pixels, fn, *args)
+        return await run(pixels, fn, *args)
 
-    object.__setattr__(p.decoder, "run", spied)
-    out = p.image_bytes("image", alpha, normalize=True)
-    assert out != alpha and Image.open(io.BytesIO(out)).mode == "RGB" and taken == [48]
-    assert p.image_bytes("image", rgb, normalize=True) is rgb
-    assert p.image_bytes("video frame", alpha) is alpha
-    assert policy(image_normalize=False).image_bytes("image", alpha, normalize=True) is alpha
-    assert taken == [48]
-
-
-def test_a_container_video_is_checked_from_its_header() -> None:
-    p = policy(max_image_pixels=64 * 48, max_video_frames=4)
-    p.video_container("video", mp4(64, 48, 3), num_frames=32)
-    p.video_container("video", mp4(64, 48, 10), num_frames=4)  # vLLM samples 4 of the 10
-    with pytest.raises(MediaError, match="10 frames, more than the limit of 4"):
-        p.video_container("video", mp4(64, 48, 10), num_frames=-1)
-    with pytest.raises(MediaError, match="frames of 80x48"):
-        p.video_container("video", mp4(80, 48, 2), num_frames=32)
-    with pytest.raises(MediaError, match="not a readable video"):
-        p.video_container("video", b"not a video at all", num_frames=32)
+    p.decoder.run = spied  # type: ignore[method-assign]
+    out = await p.normalized_async("image", alpha, header.pixels)
+    assert Image.open(io.BytesIO(out)).mode == "RGB" and taken == [48]
+    assert p.normalized("image", alpha) == out  # vLLM's synchronous path: the same, on the calling thread
+    assert p.image_bytes("image", rgb, rules=True).rules == []
+    assert p.image_bytes("video frame", alpha).rules == []
+    assert policy(image_normalize=False).image_bytes("image", alpha, rules=True).rules == []
