@@ -127,16 +127,14 @@ def test_an_image_refused_where_vllm_loads_it_names_the_problem(payload: str, wo
 
 
 async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_others_pass_unchanged() -> None:
-    """Grey with alpha: its header names the rule, and it is composited on white as an RGB PNG in the
-    decode pool, its pixels taken from the pool's budget; an RGB image, a video frame (rules not asked
-    for), or normalisation off: no rule, loaded as sent."""
-    buf = io.BytesIO()
-    Image.new("LA", (8, 6)).save(buf, "PNG")
-    alpha, rgb = buf.getvalue(), png(8, 6)
+    """16-bit grey (a rule no vLLM lane applies itself): its header names the rule, and it is scaled to an
+    8-bit PNG in the decode pool, its pixels taken from the pool's budget; an RGB image, a video frame
+    (rules not asked for), or normalisation off: no rule, loaded as sent."""
+    deep, rgb = png(8, 6, "I;16"), png(8, 6)
     p = policy()
     assert p.decoder is not None
-    header = p.image_bytes("image", alpha, rules=True)
-    assert (header.rules, header.pixels) == (["transparency"], 48)
+    header = p.image_bytes("image", deep, rules=True)
+    assert (header.rules, header.pixels) == (["bit-depth"], 48)
     taken: list[int] = []
     run = p.decoder.run
 
@@ -145,9 +143,9 @@ async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_o
         return await run(pixels, fn, *args)
 
     p.decoder.run = spied  # type: ignore[method-assign]
-    out = await p.normalized_async("image", alpha, header.pixels)
-    assert Image.open(io.BytesIO(out)).mode == "RGB" and taken == [48]
-    assert p.normalized("image", alpha) == out  # vLLM's synchronous path: the same, on the calling thread
+    out = await p.normalized_async("image", deep, header.pixels)
+    assert Image.open(io.BytesIO(out)).mode == "L" and taken == [48]
+    assert p.normalized("image", deep) == out  # vLLM's synchronous path: the same, on the calling thread
     assert p.image_bytes("image", rgb, rules=True).rules == []
-    assert p.image_bytes("video frame", alpha).rules == []
-    assert policy(image_normalize=False).image_bytes("image", alpha, rules=True).rules == []
+    assert p.image_bytes("video frame", deep).rules == []
+    assert policy(image_normalize=False).image_bytes("image", deep, rules=True).rules == []
