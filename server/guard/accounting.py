@@ -27,7 +27,7 @@ from server.guard import watchdog
 from server.guard.clients import ClientBudget
 from server.guard.forensics import Charge, Forensics
 from server.guard.inflight import InflightLedger
-from server.guard.quarantine import Quarantine
+from server.guard.quarantine import Fingerprint, Quarantine
 from server.metrics import definitions as m
 from server.settings import GuardSettings
 
@@ -131,10 +131,12 @@ class FaultAccounting:
             charge = Charge(kind, record, peers, self.quarantine.is_quarantined(fp))
             self.forensics.charged(rid, fp, self.inflight.evidence_of(rid), charge)
 
-    def is_suspect(self, fp: str) -> bool:
+    def is_suspect(self, fp: Fingerprint) -> bool:
         """Whether ``fp`` runs on probation: it has a strike, or was in the engine at a fault that named no
-        request (until it completes once)."""
-        return fp in self.suspects or self.quarantine.strikes(fp) > 0
+        request (until it completes once). ``fp`` is read only while anything is on probation."""
+        if not self.suspects and self.quarantine.empty():
+            return False
+        return fp.value in self.suspects or self.quarantine.strikes(fp.value) > 0
 
     def cleared(self, fp: str) -> None:
         """``fp`` ran to its end on probation: no longer a suspect (its strikes stay)."""

@@ -46,7 +46,7 @@ from server.guard.forensics import Evidence, current_request
 from server.guard.ipc_cache import cache_miss
 from server.guard.output_faults import output_fault
 from server.guard.port import EnginePort
-from server.guard.quarantine import fingerprint
+from server.guard.quarantine import Fingerprint
 from server.guard.rerun import Rerun, rerun_params, rerun_reason, seeded_for_rerun
 from server.guard.states import EngineState
 from server.metrics import definitions as m
@@ -247,7 +247,7 @@ class GuardedEngineClient:
             QuarantinedRequestError: the request is quarantined (400).
         """
         _mark_entered()
-        fp = fingerprint(prompt, sampling_params)
+        fp = Fingerprint(prompt, sampling_params)  # computed only when read (a fault, a strike, a log line)
         self._check_quarantine(fp)
         engine_id = self._claim(request_id)
         try:
@@ -260,7 +260,7 @@ class GuardedEngineClient:
             self._release(request_id, engine_id)
 
     async def _carried(
-        self, prompt: Any, sampling_params: Any, fp: str, request_id: str, kwargs: dict[str, Any]
+        self, prompt: Any, sampling_params: Any, fp: Fingerprint, request_id: str, kwargs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs over as many attempts as it takes (``request_id``: its engine-side id)."""
         carry = Carry.start(prompt, sampling_params)
@@ -289,7 +289,7 @@ class GuardedEngineClient:
             logger.warning("request %s (%s) carried over: %s", request_id, fp, carry.how())
 
     async def _attempt(
-        self, carry: Carry, fp: str, request_id: str, evidence: Evidence, kwargs: dict[str, Any]
+        self, carry: Carry, fp: Fingerprint, request_id: str, evidence: Evidence, kwargs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
         """One try of the request on the current engine: its outputs as they may be handed on; how it
         ended is left in ``carry.outcome``."""
@@ -355,7 +355,7 @@ class GuardedEngineClient:
                 port.completed(attempt, fp)
                 carry.outcome = Outcome.DONE
 
-    def _check_quarantine(self, fp: str) -> None:
+    def _check_quarantine(self, fp: Fingerprint) -> None:
         try:
             self._port.check_quarantine(fp)
         except QuarantinedRequestError:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from server.guard.errors import EngineUnavailableError
+from server.guard.quarantine import Fingerprint
 from server.metrics import definitions as m
 
 
@@ -34,7 +35,7 @@ class InflightLedger:
         self.hold_timeout_s = hold_timeout_s
         self.drain_timeout_s = drain_timeout_s
         # request id -> (fingerprint, generation, client, evidence for the forensic record)
-        self._requests: dict[str, tuple[str, int, str, Any]] = {}
+        self._requests: dict[str, tuple[Fingerprint | str, int, str, Any]] = {}
         self._probation = asyncio.Lock()
         self._empty = asyncio.Event()  # set while no request is inside an engine
         self._empty.set()
@@ -48,8 +49,9 @@ class InflightLedger:
         return bool(self._requests)
 
     def requests(self, generation: int) -> dict[str, str]:
-        """Request id -> fingerprint of the requests inside engine ``generation``."""
-        return {rid: fp for rid, (fp, gen, _, _) in self._requests.items() if gen == generation}
+        """Request id -> fingerprint of the requests inside engine ``generation`` (each computed now, if it
+        was not yet: :class:`~server.guard.quarantine.Fingerprint`)."""
+        return {rid: str(fp) for rid, (fp, gen, _, _) in self._requests.items() if gen == generation}
 
     def client_of(self, request_id: str) -> str:
         """The client (:func:`server.guard.clients.client_key`) that sent ``request_id`` ("" if unknown)."""
@@ -64,7 +66,7 @@ class InflightLedger:
 
     @contextlib.contextmanager
     def entered(
-        self, request_id: str, fp: str, generation: int, client: str = "", evidence: Any = None
+        self, request_id: str, fp: Fingerprint | str, generation: int, client: str = "", evidence: Any = None
     ) -> Iterator[None]:
         """Record ``request_id`` (sent by ``client``) as inside engine ``generation`` for the duration of
         the block."""

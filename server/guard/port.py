@@ -15,6 +15,7 @@ from typing import Protocol
 from server.guard.forensics import Evidence
 from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine
+from server.guard.quarantine import Fingerprint
 from server.guard.states import EngineState
 
 
@@ -54,11 +55,13 @@ class EnginePort(Protocol):
         """The READY engine, or None."""
         ...
 
-    def check_quarantine(self, fp: str) -> None:
+    def check_quarantine(self, fp: Fingerprint) -> None:
         """Raises :class:`~server.guard.errors.QuarantinedRequestError` when ``fp`` is quarantined."""
         ...
 
-    def attempt(self, request_id: str, fp: str, evidence: Evidence) -> AbstractAsyncContextManager[Attempt | None]:
+    def attempt(
+        self, request_id: str, fp: Fingerprint, evidence: Evidence
+    ) -> AbstractAsyncContextManager[Attempt | None]:
         """Wait (bounded) for the READY engine and admit the request (a suspect alone), on the in-flight
         ledger for the block with its ``evidence`` (its client; its forensic record's content); None when
         the engine died while it waited (try again).
@@ -88,6 +91,6 @@ class EnginePort(Protocol):
         """Processing the request's output raised in this process: charged to it alone."""
         ...
 
-    def completed(self, attempt: Attempt, fp: str) -> None:
+    def completed(self, attempt: Attempt, fp: Fingerprint) -> None:
         """The attempt ran to its end (a suspect is cleared)."""
         ...

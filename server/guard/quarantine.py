@@ -21,7 +21,7 @@ from typing import Any
 
 from server.guard.errors import QuarantinedRequestError
 
-__all__ = ["Quarantine", "QuarantinedRequestError", "fingerprint"]
+__all__ = ["Fingerprint", "Quarantine", "QuarantinedRequestError", "fingerprint"]
 
 
 #: The ``SamplingParams`` fields a fingerprint holds: what shapes the engine core's work besides the prompt
@@ -64,6 +64,33 @@ def fingerprint(prompt: Any, sampling_params: Any) -> str:
     return h.hexdigest()[:16]
 
 
+class Fingerprint:
+    """One request's :func:`fingerprint`, computed the first time it is read (``value``, ``str()``). Most
+    requests never need it: it is read to check a quarantine that remembers any strike, for a suspect,
+    when a fault is charged, and in a log line. ~20 us for a 740-token prompt otherwise spent on every
+    request.
+
+    Arguments:
+        prompt, sampling_params: as :func:`fingerprint` (released once it is computed).
+    """
+
+    __slots__ = ("_params", "_prompt", "_value")
+
+    def __init__(self, prompt: Any, sampling_params: Any) -> None:
+        self._prompt, self._params = prompt, sampling_params
+        self._value: str | None = None
+
+    @property
+    def value(self) -> str:
+        if self._value is None:
+            self._value = fingerprint(self._prompt, self._params)
+            self._prompt = self._params = None
+        return self._value
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Quarantine:
     """Counts strikes per fingerprint; bounded in size (LRU) and time (TTL).
 
@@ -100,6 +127,10 @@ class Quarantine:
         while len(self._seen) > self.max_entries:
             self._seen.popitem(last=False)
         return sorted(newly)
+
+    def empty(self) -> bool:
+        """Whether no fingerprint has a strike (expired ones may still count until the next read)."""
+        return not self._seen
 
     def strikes(self, fp: str) -> int:
         """Strikes ``fp`` has (within the TTL)."""

@@ -30,6 +30,7 @@ from server.guard.hold import HoldPolicy, RebuildPath
 from server.guard.inflight import InflightLedger
 from server.guard.lifecycle import Engine, EngineFactory, build_async_llm
 from server.guard.port import Attempt
+from server.guard.quarantine import Fingerprint
 from server.guard.restart_policy import RestartBudget, RestartPolicy
 from server.guard.spare import SpareKeeper
 from server.guard.states import EngineState, EngineStates
@@ -161,12 +162,13 @@ class Supervisor:
     def max_replays(self) -> int:
         return self.settings.max_replays
 
-    def check_quarantine(self, fp: str) -> None:
+    def check_quarantine(self, fp: Fingerprint) -> None:
         """Raises :class:`~server.guard.errors.QuarantinedRequestError` when ``fp`` is quarantined."""
-        self.quarantine.check(fp)
+        if not self.quarantine.empty():  # fp is read only then
+            self.quarantine.check(fp.value)
 
     @asynccontextmanager
-    async def attempt(self, request_id: str, fp: str, evidence: Evidence) -> AsyncIterator[Attempt | None]:
+    async def attempt(self, request_id: str, fp: Fingerprint, evidence: Evidence) -> AsyncIterator[Attempt | None]:
         """See :meth:`server.guard.port.EnginePort.attempt`. The death of the attempt's engine is reported
         while the request is still on the ledger: it was in flight."""
         try:
@@ -209,9 +211,9 @@ class Supervisor:
         if attempt.generation == self.generation:
             self.faults.output_fault(attempt.generation, request_id, fault)
 
-    def completed(self, attempt: Attempt, fp: str) -> None:
+    def completed(self, attempt: Attempt, fp: Fingerprint) -> None:
         if attempt.suspect:
-            self.faults.cleared(fp)  # ran to its end on probation: no longer a suspect
+            self.faults.cleared(fp.value)  # ran to its end on probation: no longer a suspect
 
     def absorb_soft_faults(self, generation: int) -> None:
         """Count the faults engine ``generation`` absorbed since the last call (soft recovery,

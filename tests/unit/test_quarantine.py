@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.guard.quarantine import Quarantine, QuarantinedRequestError, fingerprint
+from server.guard.quarantine import Fingerprint, Quarantine, QuarantinedRequestError, fingerprint
 from tests.helpers import ManualClock
 
 
@@ -50,3 +50,16 @@ def test_fingerprint_depends_on_prompt_images_and_constraint_not_on_volatile_sam
     assert base != fingerprint(prompt, SamplingParams(stop_token_ids=[7], min_tokens=2))
     assert base != fingerprint(prompt, SamplingParams(logit_bias={5: 1.0}))
     assert len(base) == 16
+
+
+def test_a_lazy_fingerprint_is_the_fingerprint_and_lets_the_prompt_go_once_read() -> None:
+    from vllm import SamplingParams
+
+    prompt, params = {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4)
+    lazy = Fingerprint(prompt, params)
+    assert lazy.value == str(lazy) == fingerprint(prompt, params)
+    assert lazy._prompt is None and lazy._params is None
+    q = Quarantine(deaths=1, max_entries=10, ttl_s=100)
+    assert q.empty()
+    q.record_death([lazy.value])
+    assert not q.empty()

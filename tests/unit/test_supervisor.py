@@ -239,6 +239,32 @@ async def test_poison_is_quarantined_and_innocents_are_not(make_guard: Callable[
     assert "again" not in g.factory.current.requests
 
 
+async def test_fingerprints_are_computed_only_once_something_is_charged(
+    make_guard: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's fingerprint (~20 us for a 740-token prompt) is read only when the quarantine remembers
+    a strike, for a suspect, or when a fault is charged: never while nothing has faulted."""
+    from server.guard import quarantine
+
+    computed: list[object] = []
+    real = quarantine.fingerprint
+
+    def counted(prompt: Any, params: Any) -> str:
+        computed.append(prompt)
+        return real(prompt, params)
+
+    monkeypatch.setattr(quarantine, "fingerprint", counted)
+    g = await make_guard(quarantine_deaths=2, max_replays=5)
+    assert [await g.collect([7, i], rid=f"ok{i}") for i in range(3)] == [greedy_tokens([7, i], 4) for i in range(3)]
+    assert computed == []
+    with pytest.raises(QuarantinedRequestError):  # two faults charged: computed for those in the engine
+        await asyncio.wait_for(g.collect([1, POISON], rid="poison"), WAIT_S)
+    assert computed
+    computed.clear()
+    assert await g.collect([7, 9], rid="after") == greedy_tokens([7, 9], 4)
+    assert len(computed) == 1  # the quarantine remembers strikes now: each request is checked
+
+
 async def test_soft_recovery_quarantines_the_poison_without_a_rebuild(make_guard: Callable[..., Any]) -> None:
     """#15: the engine absorbs each fault (ERROR finishes + a soft-fault record); the guard carries the cut
     requests over onto the same engine, charges only the failing step's, and quarantines the poison."""
