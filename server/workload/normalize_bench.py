@@ -1,6 +1,6 @@
-"""``vlguard bench normalize``: what image normalisation at the door costs per image (milliseconds).
+"""``vlguard bench normalize``: what image normalisation costs per image (milliseconds).
 
-The door's work on one image, with normalisation off (header checks only, stock pixels) and on, side by
+The media policy's work on one image (where vLLM loads it), with normalisation off (header checks only, stock pixels) and on, side by
 side in one run: for images no rule applies to (an RGB JPEG, an RGBA PNG) and for each rule (an EXIF
 Orientation=6 phone JPEG, a palette PNG with a transparent colour, a 16-bit greyscale PNG). The images
 are the bundled photo scaled to ``--size``; each is timed ``--repeat`` times, medians printed.
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     width, height = (int(v) for v in args.size.split("x"))
     on = dataclasses.replace(LIMITS, normalize=True)
-    print(f"door work per image, {width}x{height}, median of {args.repeat} (ms)")
+    print(f"normalisation work per image, {width}x{height}, median of {args.repeat} (ms)")
     print(f"{'image':<22} {'KiB':>6} {'off':>8} {'on':>8} {'on/off':>7}")
     for name, data in images(width, height).items():
         off_ms, on_ms = _median_ms(data, LIMITS, args.repeat), _median_ms(data, on, args.repeat)
