@@ -9,8 +9,12 @@ requests of large transparent images took every CPU of the API process and a gig
   event loop, the default executor that vLLM's serving layer shares, or vLLM's media loading threads
   (an image waiting here holds none of them: :mod:`server.vllm_hooks.media_connector`).
 * Every decode first takes its image's pixel count from a budget of pixels decoding at once
-  (``--guard-decode-pixels``, at least one largest image), given back when the decode ends. Waiters are
-  served in arrival order, so small images cannot starve a large one.
+  (``--guard-decode-pixels``, at least one largest image), given back when the decode ends.
+* Waiters are served one job per client in turn (:func:`server.guard.clients.client_key`), each client's
+  own in arrival order: a client that queues many large images delays another client's image by about
+  one of its jobs, not by all of them (first come, first served, it waited 27.6 s behind one client's
+  twelve 7000x7000 images). The job whose turn it is waits for its pixels, and no one passes it, so small
+  images cannot starve a large one.
 
 A request whose client goes away while it waits gives its place up; a decode already running finishes
 (a thread cannot be stopped) and only then gives its pixels back, so the budget counts what is really
@@ -23,7 +27,7 @@ import asyncio
 import collections
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from server.metrics import definitions as m
 
@@ -44,11 +48,16 @@ class DecodePool:
             raise ValueError(f"a decode pool needs at least one thread and one pixel, not {threads}, {max_pixels}")
         self.max_pixels = max_pixels
         self.free = max_pixels
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        # client -> its waiting jobs in arrival order; the clients with waiters, in turn order
+        self._waiters: dict[str, collections.deque[_Waiter]] = {}
+        self._turns: collections.deque[str] = collections.deque()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vlguard-decode")
+        m.DECODE_PIXELS.set(0)  # 0, not "no data", until the first image is normalised
+        m.DECODE_WAITING.set(0)
 
-    async def run(self, pixels: int, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn(*args)`` on a decoding thread once ``pixels`` are free in the budget.
+    async def run(self, pixels: int, fn: Callable[..., T], *args: object, client: str = "") -> T:
+        """Run ``fn(*args)`` on a decoding thread once ``pixels`` are free in the budget and it is the turn
+        of ``client`` (:func:`server.guard.clients.client_key`; ``""``: no identity, one queue for all).
 
         Arguments:
             pixels: the job's cost (an image's ``width x height``); clamped to the budget, so a job the
@@ -58,7 +67,7 @@ class DecodePool:
             whatever ``fn`` raises; ``asyncio.CancelledError`` when cancelled (waiting or running).
         """
         cost = min(max(pixels, 0), self.max_pixels)
-        await self._acquire(cost)
+        await self._acquire(cost, client)
         loop = asyncio.get_running_loop()
         try:
             job = self._executor.submit(fn, *args)
@@ -74,25 +83,38 @@ class DecodePool:
         """Stop the threads once their current jobs end (queued jobs are dropped)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _acquire(self, cost: int) -> None:
-        if not self._waiters and self.free >= cost:
+    def waiting(self) -> int:
+        """Jobs waiting for their turn or their pixels."""
+        return sum(len(queue) for queue in self._waiters.values())
+
+    async def _acquire(self, cost: int, client: str) -> None:
+        if not self._turns and self.free >= cost:
             self.free -= cost
             return
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (cost, granted)
-        self._waiters.append(entry)
-        m.DECODE_WAITING.set(len(self._waiters))
+        waiter = _Waiter(cost, asyncio.get_running_loop().create_future())
+        if client not in self._waiters:
+            self._waiters[client] = collections.deque()
+            self._turns.append(client)
+        self._waiters[client].append(waiter)
+        m.DECODE_WAITING.set(self.waiting())
         try:
-            await granted
+            await waiter.granted
         except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():  # granted just as it was cancelled: give it back
+            if waiter.granted.done() and not waiter.granted.cancelled():  # granted as it was cancelled: give back
                 self._release(cost)
             else:
-                self._waiters.remove(entry)
-                self._grant()  # a large waiter leaving may let smaller ones behind it in
+                self._leave(client, waiter)
+                self._grant()  # a large waiter leaving may let others in
             raise
         finally:
-            m.DECODE_WAITING.set(len(self._waiters))
+            m.DECODE_WAITING.set(self.waiting())
+
+    def _leave(self, client: str, waiter: _Waiter) -> None:
+        queue = self._waiters[client]
+        queue.remove(waiter)
+        if not queue:
+            del self._waiters[client]
+            self._turns.remove(client)
 
     def _release(self, cost: int) -> None:
         self.free += cost
@@ -100,7 +122,23 @@ class DecodePool:
         m.DECODE_PIXELS.set(self.max_pixels - self.free)
 
     def _grant(self) -> None:
-        while self._waiters and self.free >= self._waiters[0][0]:
-            cost, granted = self._waiters.popleft()
-            self.free -= cost
-            granted.set_result(None)
+        """Grant waiters in turn, one job per client a turn; the job whose turn it is waits for its pixels
+        (no one passes it, so a large image is not starved by small ones)."""
+        while self._turns:
+            client = self._turns[0]
+            queue = self._waiters[client]
+            if self.free < queue[0].cost:
+                return
+            waiter = queue.popleft()
+            self.free -= waiter.cost
+            waiter.granted.set_result(None)
+            self._turns.popleft()
+            if queue:
+                self._turns.append(client)  # its next job waits for the other clients' turns
+            else:
+                del self._waiters[client]
+
+
+class _Waiter(NamedTuple):
+    cost: int
+    granted: asyncio.Future[None]

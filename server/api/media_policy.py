@@ -37,6 +37,7 @@ import pybase64
 from server.api.decode_pool import DecodePool
 from server.api.media import ImageHeader, MediaError, MediaLimits, base64_error, check_image_bytes, normalized_image
 from server.api.remote_media import RemotePolicy, fetch_bytes
+from server.guard.clients import current_client
 from server.settings import GuardSettings
 from server.vllm_hooks.locations import upstream_image_rules
 
@@ -100,8 +101,12 @@ class MediaPolicy:
         if url != url.strip():
             raise _refuse(f"{modality}: URL has surrounding whitespace")
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-        if scheme == "data" and not url.partition(",")[0].lower().endswith(";base64"):
-            raise _refuse(f"{modality}: a data URL must be data:<type>;base64,<data>")
+        if scheme == "data":
+            head, _, payload = url.partition(",")
+            if not head.lower().endswith(";base64"):
+                raise _refuse(f"{modality}: a data URL must be data:<type>;base64,<data>")
+            if "#" in payload or "?" in payload:  # base64 has neither: vLLM's URL parser would drop the rest
+                raise _refuse(f"{modality}: a data URL's data must be base64 only (it holds '#' or '?')")
         if scheme in ("http", "https"):
             if not self.limits.remote_media:
                 raise _refuse(f"{modality}: remote media URLs are refused on this server (--guard-remote-media off)")
@@ -177,14 +182,16 @@ class MediaPolicy:
 
     async def normalized_async(self, where: str, data: bytes, pixels: int) -> bytes:
         """:meth:`normalized` in the decode pool (:mod:`server.api.decode_pool`): its own threads, within
-        its pixel budget (``pixels``: the image's ``width x height``); the caller waits holding no thread.
+        its pixel budget (``pixels``: the image's ``width x height``), taking turns with other clients' images
+        (the request's client: :data:`server.guard.clients.current_client`); the caller waits holding no
+        thread.
 
         Raises:
             MediaError: 400 when its pixels cannot be decoded.
         """
         if self.decoder is None:
             return self.normalized(where, data)
-        return await self.decoder.run(pixels, self.normalized, where, data)
+        return await self.decoder.run(pixels, self.normalized, where, data, client=current_client.get())
 
     def base64_payload(self, where: str, payload: str) -> bytes:
         """Decode a base64 payload whose decoded size is within the image byte bound (checked first).

@@ -164,9 +164,12 @@ def _connector_class(base: type) -> type:
                     data = await _current().fetch(url)
                     return await loop.run_in_executor(None, checked.load_bytes, data)
                 return await super().load_from_url_async(url, checked, **kwargs)
-            except _Deferred as image:  # normalised in the decode pool; no loading thread waits for it
-                normalized = await _current().normalized_async("image", image.data, image.pixels)
-                return await loop.run_in_executor(None, checked.load_normalized, normalized)
+            except _Deferred as deferred:  # normalised in the decode pool; no loading thread waits for it
+                # Its traceback's frames make a cycle (the thread's work item and future hold it): dropped
+                # now, the image's bytes go when it is loaded, not at the next full garbage collection.
+                image = deferred.with_traceback(None)
+            normalized = await _current().normalized_async("image", image.data, image.pixels)
+            return await loop.run_in_executor(None, checked.load_normalized, normalized)
 
     return GuardedMediaConnector
 

@@ -1,9 +1,10 @@
 """``vlguard bench normalize``: what image normalisation costs per image (milliseconds).
 
-The media policy's work on one image (where vLLM loads it), with normalisation off (header checks only, stock pixels) and on, side by
-side in one run: for images no rule applies to (an RGB JPEG, an RGBA PNG) and for each rule (an EXIF
-Orientation=6 phone JPEG, a palette PNG with a transparent colour, a 16-bit greyscale PNG). The images
-are the bundled photo scaled to ``--size``; each is timed ``--repeat`` times, medians printed.
+The media policy's work on one image (where vLLM loads it), with normalisation off (header checks only,
+stock pixels) and on, side by side in one run: for images no rule applies to (an RGB JPEG, an RGBA PNG)
+and for each rule (an EXIF Orientation=6 phone JPEG, a palette PNG with a transparent colour, a 16-bit
+greyscale PNG). The images are the bundled photo scaled to ``--size``; each is timed ``--repeat`` times,
+medians printed.
 """
 
 from __future__ import annotations

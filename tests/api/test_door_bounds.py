@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
+import httpx
 import pytest
 
 from server.workload.images import data_uri, photo_uri
@@ -38,10 +39,10 @@ class _DecodeSpy:
         self.peak = 0
         run = self.pool.run
 
-        async def spied(pixels: int, fn: Callable[..., Any], *args: object) -> Any:
+        async def spied(pixels: int, fn: Callable[..., Any], *args: object, **kwargs: Any) -> Any:
             self.started.append(pixels)
             try:
-                return await run(pixels, fn, *args)
+                return await run(pixels, fn, *args, **kwargs)
             finally:
                 self.done.append(pixels)
 
@@ -80,32 +81,43 @@ async def test_more_items_than_the_per_prompt_limit_are_refused_before_any_decod
     assert resp.status_code == 400 and "At most 4 image(s)" in resp.json()["error"]["message"] and spy.jobs == 0
 
 
+def _client_at(api: Api, host: str) -> httpx.AsyncClient:
+    """A client of ``api`` from ``host`` (not loopback: loopback clients share one identity)."""
+    transport = httpx.ASGITransport(app=api.app, client=(host, 40000), raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://vlguard.test", timeout=60)
+
+
 async def test_pixel_work_stays_within_the_budget_while_other_requests_go_on(make_api: Callable[..., Any]) -> None:
-    """Three requests of four 16-bit 16-megapixel images each, with a budget of two such images decoding
-    at once: the budget holds, and an image request sent meanwhile is answered before the first of them
-    is done. The ten images waiting for the budget hold none of vLLM's eight media loading threads (when
-    they did, an image request sent meanwhile waited behind them)."""
+    """One client's three requests of four 16-bit 16-megapixel images each, with a budget of two such
+    images decoding at once: the budget holds; another client's plain image is answered before the first of
+    them is done (the ten waiting hold none of vLLM's eight media loading threads: when they did, it waited
+    behind six); its small 16-bit image, which needs the pool too, takes its turn after about one more of
+    them (first come, first served, it waited for all twelve)."""
     api: Api = await make_api("--guard-max-image-pixels", str(PIXELS), "--guard-decode-pixels", str(2 * PIXELS))
     assert (await api.client.get("/health")).status_code == 200
     spy = _DecodeSpy(api)
-    heavy = [
-        asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model, *[DEEP] * 4)))
-        for _ in range(3)
-    ]
-    deadline = time.monotonic() + WAIT_S
-    while spy.jobs < 12:  # every image read and waiting for the pool or decoding
-        assert time.monotonic() < deadline, f"{spy.jobs} of 12 images reached the decode pool"
-        await asyncio.sleep(0.01)
-    light_body = chat_body(api.model, data_uri(png(64, 48), "image/png"), text="Hi")
-    light = asyncio.create_task(api.client.post("/v1/chat/completions", json=light_body))
-    while not light.done():  # sample the budget in use until the image request is answered
-        spy.busy()
-        await asyncio.sleep(0.005)
-    assert (await light).status_code == 200
-    assert spy.finished == 0, f"the image request waited for {spy.finished} normalisations to end"
-    for resp in await asyncio.wait_for(asyncio.gather(*heavy), 4 * WAIT_S):
-        assert resp.status_code == 200, resp.text
-    assert spy.jobs == 12 and 0 < spy.peak <= 2 * PIXELS and not spy.busy()
+    async with _client_at(api, "192.0.2.1") as hostile, _client_at(api, "192.0.2.2") as other:
+        heavy = [
+            asyncio.create_task(hostile.post("/v1/chat/completions", json=chat_body(api.model, *[DEEP] * 4)))
+            for _ in range(3)
+        ]
+        deadline = time.monotonic() + WAIT_S
+        while spy.jobs < 12:  # every image read and waiting for the pool or decoding
+            answered = [t.result().text[:200] for t in heavy if t.done()]
+            assert time.monotonic() < deadline, f"{spy.jobs} of 12 images reached the decode pool; {answered}"
+            await asyncio.sleep(0.01)
+        for image, most_done in ((png(64, 48), 0), (png(64, 48, "I;16"), 4)):
+            light = asyncio.create_task(
+                other.post("/v1/chat/completions", json=chat_body(api.model, data_uri(image, "image/png"), text="Hi"))
+            )
+            while not light.done():  # sample the budget in use until the image request is answered
+                spy.busy()
+                await asyncio.sleep(0.005)
+            assert (await light).status_code == 200
+            assert spy.finished <= most_done, f"the image request waited for {spy.finished} normalisations"
+        for resp in await asyncio.wait_for(asyncio.gather(*heavy), 4 * WAIT_S):
+            assert resp.status_code == 200, resp.text
+    assert spy.jobs == 13 and 0 < spy.peak <= 2 * PIXELS and not spy.busy()
 
 
 class _Drip(http.server.BaseHTTPRequestHandler):

@@ -53,6 +53,33 @@ async def test_the_budget_bounds_the_pixels_decoding_at_once_in_arrival_order() 
     pool.shutdown()
 
 
+async def test_clients_take_turns_so_one_clients_queue_delays_another_by_one_job() -> None:
+    """Hostile review: first come, first served, one client's twelve 7000x7000 images held another's small
+    image for 27.6 s. In turns, the small image runs after one more of the first client's jobs, not all."""
+    pool = DecodePool(threads=4, max_pixels=100)
+    log: list[str] = []
+    jobs = {name: _Job() for name in ("a1", "a2", "a3", "b1")}
+    tasks = {"a1": asyncio.create_task(pool.run(100, jobs["a1"], "a1", log, client="a"))}
+    await _started(jobs["a1"])
+    for name in ("a2", "a3"):
+        tasks[name] = asyncio.create_task(pool.run(100, jobs[name], name, log, client="a"))
+    await asyncio.sleep(0)
+    tasks["b1"] = asyncio.create_task(pool.run(10, jobs["b1"], "b1", log, client="b"))  # arrives last
+    await asyncio.sleep(0)
+    assert pool.waiting() == 3
+    jobs["a1"].release.set()  # a's turn first (it was waiting first): a2 takes the budget
+    await _started(jobs["a2"])
+    assert not jobs["b1"].started.is_set() and not jobs["a3"].started.is_set()
+    jobs["a2"].release.set()  # then b's turn, before a3
+    await _started(jobs["b1"])
+    assert not jobs["a3"].started.is_set()
+    jobs["b1"].release.set()
+    jobs["a3"].release.set()
+    assert await asyncio.gather(*tasks.values()) == ["a1", "a2", "a3", "b1"]
+    assert log == ["a1", "a2", "b1", "a3"] and pool.free == 100 and pool.waiting() == 0
+    pool.shutdown()
+
+
 async def test_a_job_larger_than_the_budget_runs_alone() -> None:
     pool = DecodePool(threads=2, max_pixels=100)
     job = _Job()

@@ -48,6 +48,8 @@ def mp4(width: int, height: int, frames: int) -> bytes:
         ("video", "gopher://h/", "'gopher'"),
         ("image", " data:image/png;base64,AAAA", "whitespace"),
         ("image", "data:image/png,AAAA", "data:<type>;base64"),
+        ("image", "data:image/png;base64,AAAA#!!!not-base64!!!", "base64 only"),  # vLLM's parser drops a fragment
+        ("image", "data:image/png;base64,AAAA?x=%%%", "base64 only"),  # and a query
     ],
 )
 def test_schemes_are_refused_before_any_connection(modality: str, url: str, words: str) -> None:
@@ -138,9 +140,9 @@ async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_o
     taken: list[int] = []
     run = p.decoder.run
 
-    async def spied(pixels: int, fn: Any, *args: object) -> Any:
+    async def spied(pixels: int, fn: Any, *args: object, **kwargs: Any) -> Any:
         taken.append(pixels)
-        return await run(pixels, fn, *args)
+        return await run(pixels, fn, *args, **kwargs)
 
     p.decoder.run = spied  # type: ignore[method-assign]
     out = await p.normalized_async("image", deep, header.pixels)
