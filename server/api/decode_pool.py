@@ -110,11 +110,13 @@ class DecodePool:
             m.DECODE_WAITING.set(self.waiting())
 
     def _leave(self, client: str, waiter: _Waiter) -> None:
-        queue = self._waiters[client]
-        queue.remove(waiter)
-        if not queue:
-            del self._waiters[client]
-            self._turns.remove(client)
+        """Take a cancelled ``waiter`` out of its client's queue (a grant may have dropped it already)."""
+        queue = self._waiters.get(client)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self._waiters[client]
+                self._turns.remove(client)
 
     def _release(self, cost: int) -> None:
         self.free += cost
@@ -127,16 +129,19 @@ class DecodePool:
         while self._turns:
             client = self._turns[0]
             queue = self._waiters[client]
-            if self.free < queue[0].cost:
+            head = queue[0]
+            cancelled = head.granted.done()  # its task was cancelled and has not run its handler yet
+            if not cancelled and self.free < head.cost:
                 return
-            waiter = queue.popleft()
-            self.free -= waiter.cost
-            waiter.granted.set_result(None)
-            self._turns.popleft()
-            if queue:
-                self._turns.append(client)  # its next job waits for the other clients' turns
-            else:
+            queue.popleft()
+            if not cancelled:  # a cancelled waiter is dropped without a turn or pixels
+                self.free -= head.cost
+                head.granted.set_result(None)
+            if not queue:
                 del self._waiters[client]
+                self._turns.popleft()
+            elif not cancelled:
+                self._turns.rotate(-1)  # its next job waits for the other clients' turns
 
 
 class _Waiter(NamedTuple):

@@ -67,8 +67,7 @@ from server.guard.forensics import current_request
 from server.metrics import definitions as m
 from server.settings import GuardSettings
 
-#: Bodies above this many bytes are checked off the event loop (base64 decoding of large images); images
-#: to normalise are decoded and re-encoded in the door's decode pool whatever the body's size.
+#: Bodies above this many bytes are parsed and checked off the event loop.
 _OFFLOAD_BYTES = 1 << 20
 
 

@@ -294,8 +294,8 @@ def check_image_bytes(
 ) -> ImageHeader:
     """Check an encoded image from its header and, with ``checksums``, its container's checksums (no pixel
     decoding; Pillow's ``verify()``: for PNG every chunk's CRC, so corrupt pixel data is refused on every vLLM
-    version, where some versions' loaders would decode it into wrong pixels). The door reads the header
-    only; the checksums are verified once, where vLLM loads the image (the media policy in its connector).
+    version, where some versions' loaders would decode it into wrong pixels). Run where vLLM loads the
+    image (the media policy in its connector), once; a remote image the door fetches is read header-only.
 
     Returns:
         the image's :class:`ImageHeader`; its ``rules`` are read only when ``rules`` and

@@ -22,7 +22,8 @@ vlguard's connector (:mod:`server.vllm_hooks.media_connector`) applies this poli
   request sets (``video_backend``, ``num_frames: -1``, image options) is refused.
 
 Each refusal raises :class:`~server.api.media.MediaError` (a ``ValueError``: vLLM answers it 400 with its
-message). Pure functions and one probe of a video container's header (OpenCV, as vLLM's loader reads it).
+message). Checks are pure functions, with one probe of a video container's header (OpenCV, as vLLM's loader
+reads it); normalisation runs in the policy's decode pool, which the app's lifespan shuts down.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class MediaPolicy:
             max_aspect_ratio=settings.max_aspect_ratio,
             remote_media=settings.remote_media,
             local_media=bool(getattr(args, "allowed_local_media_path", None)),
-            normalize=settings.image_normalize,  # the door's (the connector reads headers only)
+            normalize=settings.image_normalize,
             upstream_rules=upstream_image_rules(),
             trust_client_uuids=settings.trust_client_uuids,
         )

@@ -1,4 +1,5 @@
-"""Image normalisation at the door: the engine sees the picture people see (``--guard-image-normalize``).
+"""Image normalisation: the engine sees the picture people see (``--guard-image-normalize``), applied
+where vLLM loads an image (:class:`server.api.media_policy.MediaPolicy`), on every route.
 
 vLLM converts every image with Pillow's ``convert("RGB")`` (compositing on white only for ``RGBA``). For
 some images that is not what a viewer shows. Each rule below applies only when an image needs it; an
@@ -86,7 +87,7 @@ def normalize_image(data: bytes, skip: frozenset[str] = frozenset()) -> bytes | 
     """Apply the module's rules to one encoded image.
 
     Arguments:
-        data: an encoded image (any format Pillow reads) that already passed the door's checks.
+        data: an encoded image (any format Pillow reads) that already passed the media policy's checks.
         skip: rules not to apply (the installed vLLM applies them:
             ``server.vllm_hooks.locations.upstream_image_rules``).
 

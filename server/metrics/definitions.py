@@ -153,7 +153,7 @@ DECODE_PIXELS = Gauge(
 )
 DECODE_WAITING = Gauge(
     "vlguard_decode_waiting",
-    "Images waiting to be normalised (the decode pool's pixel budget spent).",
+    "Images waiting to be normalised (for their client's turn or the decode pool's pixel budget).",
     multiprocess_mode="mostrecent",
 )
 CLIENT_FAULTS = Counter(

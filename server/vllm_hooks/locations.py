@@ -241,7 +241,7 @@ def build_renderer_and_input_processor(vllm_config: Any) -> tuple[Any, Any]:
 
 def upstream_image_rules() -> frozenset[str]:
     """The rules of :mod:`server.api.pixels` that the installed vLLM's image loader applies itself, so
-    vlguard's door need not: ``orientation`` (``vllm.multimodal.image.normalize_image``, EXIF transpose)
+    vlguard need not: ``orientation`` (``vllm.multimodal.image.normalize_image``, EXIF transpose)
     and ``transparency`` (``_has_transparency``: LA, PA, tRNS composited on the background), both in
     vLLM 0.32.0; none in 0.20.0 and 0.22.1. Only what vLLM lacks is backported."""
     import vllm.multimodal.image as image

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +34,15 @@ from server.vllm_hooks.locations import wrap_item_trackers
 CONNECTOR_ENV, VLLM_CONNECTOR = "VLLM_MEDIA_CONNECTOR", "http"
 
 
+class ImageHeader(Protocol):
+    """What the policy read from an image's header (:class:`server.api.media.ImageHeader`)."""
+
+    @property
+    def rules(self) -> list[str]: ...  # the normalisation rules that apply to it (empty: loaded as sent)
+    @property
+    def pixels(self) -> int: ...
+
+
 class MediaPolicy(Protocol):
     """What the connector asks of the policy (:class:`server.api.media_policy.MediaPolicy`); each method
     raises a ``ValueError`` (vLLM answers 400 with its message) when the item is refused."""
@@ -40,7 +50,7 @@ class MediaPolicy(Protocol):
     def check_io_kwargs(self, merged: dict[str, dict[str, Any]] | None) -> None: ...
     def check_url(self, modality: str, url: str) -> str: ...
     async def fetch(self, url: str) -> bytes: ...
-    def image_bytes(self, where: str, data: bytes, rules: bool = False) -> Any: ...
+    def image_bytes(self, where: str, data: bytes, rules: bool = False) -> ImageHeader: ...
     def normalized(self, where: str, data: bytes) -> bytes: ...
     async def normalized_async(self, where: str, data: bytes, pixels: int) -> bytes: ...
     def base64_payload(self, where: str, payload: str) -> bytes: ...
@@ -69,18 +79,18 @@ class _Deferred(Exception):
 
 class _CheckedImageIO:
     """An image media IO whose loads meet the policy first (``where``: ``image`` or ``video frame``).
-    An image a normalisation rule applies to is normalised on the calling thread, or with ``defer``
-    handed back (:class:`_Deferred`) to be normalised in the decode pool; video frames are not."""
+    With ``normalize``, an image a normalisation rule applies to is normalised on the calling thread, or
+    with ``defer`` handed back (:class:`_Deferred`) to be normalised in the decode pool."""
 
-    def __init__(self, inner: Any, where: str, defer: bool = False) -> None:
-        self._inner, self._where, self._defer = inner, where, defer
+    def __init__(self, inner: Any, where: str, normalize: bool, defer: bool = False) -> None:
+        self._inner, self._where, self._normalize, self._defer = inner, where, normalize, defer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def load_bytes(self, data: bytes) -> Any:
         policy = _current()
-        header = policy.image_bytes(self._where, data, rules=self._where == "image")
+        header = policy.image_bytes(self._where, data, rules=self._normalize)
         if header.rules and self._defer:
             raise _Deferred(data, header.pixels)
         if header.rules:
@@ -104,7 +114,7 @@ class _CheckedVideoIO:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        inner.image_io = _CheckedImageIO(inner.image_io, "video frame")
+        inner.image_io = _CheckedImageIO(inner.image_io, "video frame", normalize=False)  # as vLLM converts them
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -138,11 +148,14 @@ def _checked_io(media_io: Any, defer: bool = False) -> tuple[str, Any]:
     if isinstance(media_io, VideoMediaIO):
         return "video", _CheckedVideoIO(media_io)
     if isinstance(media_io, ImageMediaIO):
-        return "image", _CheckedImageIO(media_io, "image", defer)
+        return "image", _CheckedImageIO(media_io, "image", normalize=True, defer=defer)
     return type(media_io).__name__.removesuffix("MediaIO").lower() or "media", media_io
 
 
 def _connector_class(base: type) -> type:
+    # The threads vLLM's connector loads media on (None: the default executor, where a vLLM has none)
+    loading = getattr(sys.modules[base.__module__], "global_thread_pool", None)
+
     class GuardedMediaConnector(base):
         """vLLM's media connector under vlguard's media policy (:mod:`server.vllm_hooks.media_connector`)."""
 
@@ -162,14 +175,14 @@ def _connector_class(base: type) -> type:
             try:
                 if _current().check_url(modality, url) in ("http", "https"):  # fetched by vlguard, never by vLLM
                     data = await _current().fetch(url)
-                    return await loop.run_in_executor(None, checked.load_bytes, data)
+                    return await loop.run_in_executor(loading, checked.load_bytes, data)
                 return await super().load_from_url_async(url, checked, **kwargs)
             except _Deferred as deferred:  # normalised in the decode pool; no loading thread waits for it
                 # Its traceback's frames make a cycle (the thread's work item and future hold it): dropped
                 # now, the image's bytes go when it is loaded, not at the next full garbage collection.
                 image = deferred.with_traceback(None)
             normalized = await _current().normalized_async("image", image.data, image.pixels)
-            return await loop.run_in_executor(None, checked.load_normalized, normalized)
+            return await loop.run_in_executor(loading, checked.load_normalized, normalized)
 
     return GuardedMediaConnector
 

@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "side, which has more points, slightly more than stock's)",
     )
     _workload_args(cmp_)
-    sub.add_parser("normalize", help="Time image normalisation at the door, off vs on, per image (no server).")
+    sub.add_parser("normalize", help="Time image normalisation, off vs on, per image (no server).")
     return parser
 
 
@@ -427,7 +427,7 @@ def main(argv: list[str]) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, serve_args = argv[:cut], argv[cut + 1 :]
-    if argv[:1] == ["normalize"]:  # no server involved: the door's image work alone
+    if argv[:1] == ["normalize"]:  # no server involved: the media policy's image work alone
         from server.workload import normalize_bench
 
         return normalize_bench.main(argv[1:])

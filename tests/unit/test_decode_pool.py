@@ -113,6 +113,27 @@ async def test_a_cancelled_caller_gives_its_place_up_or_its_pixels_back_when_the
     pool.shutdown()
 
 
+async def test_a_request_cancelled_with_several_images_waiting_leaves_the_pool_as_it_was() -> None:
+    """Code review: vLLM gathers a request's images, so a disconnect cancels their waits together; a grant
+    between the cancellations and their handlers granted a dead waiter (``InvalidStateError``), kept its
+    pixels and jammed every later turn."""
+    pool = DecodePool(threads=1, max_pixels=100)
+    running = _Job()
+    first = asyncio.create_task(pool.run(50, running, "running", [], client="a"))
+    await _started(running)
+    request = asyncio.gather(pool.run(60, lambda: 1, client="b"), pool.run(30, lambda: 2, client="b"))
+    await asyncio.sleep(0)
+    assert pool.waiting() == 2
+    request.cancel()  # the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    running.release.set()
+    assert await first == "running"
+    assert await asyncio.wait_for(pool.run(10, lambda: "later", client="c"), WAIT_S) == "later"
+    assert pool.free == 100 and pool.waiting() == 0 and not pool._turns
+    pool.shutdown()
+
+
 def test_a_pool_needs_threads_and_pixels() -> None:
     with pytest.raises(ValueError, match="at least one"):
         DecodePool(threads=0, max_pixels=1)

@@ -151,3 +151,15 @@ async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_o
     assert p.image_bytes("image", rgb, rules=True).rules == []
     assert p.image_bytes("video frame", deep).rules == []
     assert policy(image_normalize=False).image_bytes("image", deep, rules=True).rules == []
+
+
+def test_a_container_video_is_checked_from_its_header() -> None:
+    p = policy(max_image_pixels=64 * 48, max_video_frames=4)
+    p.video_container("video", mp4(64, 48, 3), num_frames=32)
+    p.video_container("video", mp4(64, 48, 10), num_frames=4)  # vLLM samples 4 of the 10
+    with pytest.raises(MediaError, match="10 frames, more than the limit of 4"):
+        p.video_container("video", mp4(64, 48, 10), num_frames=-1)
+    with pytest.raises(MediaError, match="frames of 80x48"):
+        p.video_container("video", mp4(80, 48, 2), num_frames=32)
+    with pytest.raises(MediaError, match="not a readable video"):
+        p.video_container("video", b"not a video at all", num_frames=32)

@@ -54,11 +54,19 @@ def test_fingerprint_depends_on_prompt_images_and_constraint_not_on_volatile_sam
 
 def test_a_lazy_fingerprint_is_the_fingerprint_and_lets_the_prompt_go_once_read() -> None:
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    prompt, params = {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4)
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"), skip_clone=True)
+    at_entry = fingerprint(prompt, params)  # what the next such request is checked under
     lazy = Fingerprint(prompt, params)
-    assert lazy.value == str(lazy) == fingerprint(prompt, params)
-    assert lazy._prompt is None and lazy._params is None
+    # Code review: vLLM validates the serving layer's own object (skip_clone), which sets the structured
+    # outputs' backend; a fingerprint of the parameters read after that was another fingerprint.
+    assert params.structured_outputs is not None
+    params.structured_outputs._backend, params.structured_outputs._backend_was_auto = "xgrammar", True
+    assert fingerprint(prompt, params) != at_entry  # the test can tell the two apart
+    assert lazy.value == str(lazy) == at_entry
+    assert lazy._prompt is None
     q = Quarantine(deaths=1, max_entries=10, ttl_s=100)
     assert q.empty()
     q.record_death([lazy.value])
