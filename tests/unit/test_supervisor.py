@@ -247,13 +247,13 @@ async def test_fingerprints_are_computed_only_once_something_is_charged(
     from server.guard import quarantine
 
     computed: list[object] = []
-    real = quarantine.fingerprint
+    real = quarantine._hashed
 
-    def counted(prompt: Any, params: Any) -> str:
+    def counted(prompt: Any, content: bytes) -> str:
         computed.append(prompt)
-        return real(prompt, params)
+        return real(prompt, content)
 
-    monkeypatch.setattr(quarantine, "fingerprint", counted)
+    monkeypatch.setattr(quarantine, "_hashed", counted)
     g = await make_guard(quarantine_deaths=2, max_replays=5)
     assert [await g.collect([7, i], rid=f"ok{i}") for i in range(3)] == [greedy_tokens([7, i], 4) for i in range(3)]
     assert computed == []
