@@ -174,11 +174,20 @@ def test_interrupted_greedy_stream_is_token_identical(guarded: ServerProcess, mo
     resumed = metric(guarded, "vlguard_requests_resumed_total")
     core = engine_core(guarded)
     got_some = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
-        assert got_some.wait(60)
-        core.send_signal(signal.SIGKILL)
-        ids, error = future.result()
+    # Each step 25 ms slower until the kill (the fault plugin's flag): the stream is still decoding when it
+    # lands however far its reader lags (in CI the engine once finished all 1024 tokens before the reader
+    # had 8, so nothing was in flight to resume).
+    flag = slow_steps_flag(guarded)
+    flag.touch()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(stream_tokens, guarded, model_name, messages, n_tokens, got_some, 8)
+            assert got_some.wait(60)
+            core.send_signal(signal.SIGKILL)
+            flag.unlink()
+            ids, error = future.result()
+    finally:
+        flag.unlink(missing_ok=True)
     assert error is None
     assert ids == reference
     # Read until counted (bounded): under CI load this read once saw 0 deaths after the resumed stream ended.
