@@ -156,8 +156,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
                     notifier.stopping()
                     for task in background:
                         task.cancel()
-                    if media.decoder is not None:
-                        media.decoder.shutdown()
+                    media.decoder.shutdown()
 
     # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
     media = MediaPolicy.of(settings, args)

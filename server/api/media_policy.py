@@ -61,15 +61,15 @@ class MediaPolicy:
         limits: the door's media limits (bytes, pixels, aspect ratio, remote and local media).
         remote: the remote-media host policy (used with ``limits.remote_media`` only).
         max_video_frames: the most frames one video may decode.
+        decoder: the decode pool images are normalised in.
         server_io_kwargs: the server's ``--media-io-kwargs`` (modality -> kwargs): the operator's values.
-        decoder: the decode pool images are normalised in (``None``: on the calling thread).
     """
 
     limits: MediaLimits
     remote: RemotePolicy
     max_video_frames: int
+    decoder: DecodePool = field(compare=False)
     server_io_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    decoder: DecodePool | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, settings: GuardSettings, args: Any) -> MediaPolicy:
@@ -89,7 +89,7 @@ class MediaPolicy:
         remote = RemotePolicy(allowed_hosts=hosts, timeout_s=settings.remote_media_timeout)
         io_kwargs = dict(getattr(args, "media_io_kwargs", None) or {})
         decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
-        return cls(limits, remote, settings.max_video_frames, io_kwargs, decoder)
+        return cls(limits, remote, settings.max_video_frames, decoder, io_kwargs)
 
     def check_url(self, modality: str, url: str) -> str:
         """The URL's scheme (lower case), once ``modality``'s policy allows it; checked before any
@@ -190,8 +190,6 @@ class MediaPolicy:
         Raises:
             MediaError: 400 when its pixels cannot be decoded.
         """
-        if self.decoder is None:
-            return self.normalized(where, data)
         return await self.decoder.run(pixels, self.normalized, where, data, client=current_client.get())
 
     def base64_payload(self, where: str, payload: str) -> bytes:

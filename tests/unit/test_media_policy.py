@@ -134,7 +134,6 @@ async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_o
     (rules not asked for), or normalisation off: no rule, loaded as sent."""
     deep, rgb = png(8, 6, "I;16"), png(8, 6)
     p = policy()
-    assert p.decoder is not None
     header = p.image_bytes("image", deep, rules=True)
     assert (header.rules, header.pixels) == (["bit-depth"], 48)
     taken: list[int] = []
