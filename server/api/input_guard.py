@@ -28,6 +28,8 @@ render) all but step 3:
 
 The body is then handed on (unchanged unless client uuids were dropped or remote images inlined). Every
 refusal uses the OpenAI error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
+When a request ends its body leaves the budget, and what its parse leaves behind is bounded too
+(:mod:`server.api.garbage`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.admission import route_path
 from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_response
+from server.api.garbage import FinishedBodies
 from server.api.media import (
     MediaCheck,
     MediaError,
@@ -183,6 +186,7 @@ class InputGuardMiddleware:
         self.client_inflight = max(1, int(settings.max_inflight * settings.inflight_share))
         self.body_budget = settings.body_memory_bytes()
         self.body_bytes = 0  # bytes of the bodies inside now (received, checked, held, served)
+        self.finished = FinishedBodies.for_budget(self.body_budget)  # and what they leave behind when done
         self.keys = keys
         self.client_share = int(self.body_budget * settings.body_share)
         self.client_bytes = Counts()  # client identity -> bytes its bodies hold now
@@ -212,6 +216,7 @@ class InputGuardMiddleware:
             self.body_bytes -= held[0]
             self.client_bytes.add(who, -held[0])
             m.BODY_BYTES.set(self.body_bytes)
+            self.finished.finished(held[0])
 
     def saturated(self) -> bool:
         """Whether one more request whose body arrived would be refused (every in-flight slot taken, or the

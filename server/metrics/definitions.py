@@ -146,6 +146,11 @@ BODY_BYTES = Gauge(
     "Bytes of the request bodies inside the API process now (bounded by --guard-max-body-memory-mb).",
     multiprocess_mode="mostrecent",
 )
+BODY_GC_COLLECTIONS = Counter(
+    "vlguard_body_gc_collections",
+    "Full garbage collections run because finished request bodies reached a quarter of "
+    "--guard-max-body-memory-mb (a parsed body outlives its request in a reference cycle until one runs).",
+)
 DECODE_PIXELS = Gauge(
     "vlguard_decode_pixels",
     "Pixels of the images being normalised now (bounded by --guard-decode-pixels).",
