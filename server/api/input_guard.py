@@ -2,8 +2,9 @@
 
 For every ``POST``, by its route's kind (:mod:`server.api.routes`; paths compared without ``--root-path``),
 before vLLM sees the request: a route not classified there, or refused, gets **404** (deny by default);
-routes that take no prompt or media (``/detokenize``) get steps 1 and 2 only; input routes (``/tokenize``,
-render) all but step 3:
+routes that take no prompt or media (``/detokenize``, derender) get steps 1 and 2 and the body's size
+bounds (JSON values and objects, and token ids: at most ``max_sequences`` sequences of the model's
+context); input routes (``/tokenize``, render) all but step 3:
 
 1. the body is read up to ``max_request_mb`` (``Content-Length`` first, then the bytes actually sent);
    more gets **413**; a body that has not arrived within ``body_timeout`` seconds gets **408**. The
@@ -61,6 +62,7 @@ from server.api.poison import (
     check_known_poison,
     check_prompt_length,
     check_sequences,
+    check_token_count,
 )
 from server.api.remote_media import inline_remote_media
 from server.api.routes import RouteKind, post_kind
@@ -319,8 +321,7 @@ class InputGuardMiddleware:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind) -> None:
         try:
-            checked = kind is not RouteKind.NO_INPUT
-            rewritten = await self._check(raw, generation=kind is RouteKind.GENERATION) if checked else None
+            rewritten = await self._check(raw, kind)
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
@@ -345,9 +346,10 @@ class InputGuardMiddleware:
             send = anthropic_client_errors(send)
         await self.app(scope, replay, send)
 
-    def _inspect(self, raw: bytes, generation: bool) -> _Inspected:
+    def _inspect(self, raw: bytes, kind: RouteKind) -> _Inspected:
         """Parse the body once and run every check that needs no waiting (blocking: O(body); a large body's
-        run off the event loop): uuids dropped, media counted, known poison, media headers.
+        run off the event loop): the body's shape and size in values, objects and (a route that takes no
+        input) token ids; then uuids dropped, media counted, known poison, media headers.
 
         Raises:
             MediaError: the refusal.
@@ -360,33 +362,37 @@ class InputGuardMiddleware:
         body = _parse_json(raw)
         if body is _MALFORMED:
             return _Inspected(None, False, None, None)  # vLLM answers malformed JSON with its own 400
-        if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
-            message = f"request body must be a JSON object, not {type(body).__name__}"
-            raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
         if _objects_over(body, self.max_json_objects):  # vLLM validates each on the event loop: ~6 us apiece
             message = f"request body holds more than {self.max_json_objects} JSON objects"
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")
+        rules = self.poison_rules()
+        if kind is RouteKind.NO_INPUT:  # token ids to text (detokenize, derender), or no body: nothing else
+            check_token_count(body, rules, self.max_sequences)
+            return _Inspected(None, False, None, None)
+        if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
+            message = f"request body must be a JSON object, not {type(body).__name__}"
+            raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
         # Client uuids dropped first: the media checks then read each part as vLLM will without them.
         stripped = 0 if self.limits.trust_client_uuids else strip_client_uuids(body)
         bounds, items = self.pixel_bounds(), self.item_limits()
         if items is not None:  # before any other work: more items than allowed are refused at once
             count_items(body, items)
-        rules = self.poison_rules()
         check_prompt_length(body, rules)  # before anything tokenizes it (the door's own walks are bounded too)
+        generation = kind is RouteKind.GENERATION
         if generation:
             check_sequences(body, self.max_sequences)
         constraint = check_known_poison(body, rules) if generation else None
         return _Inspected(body, stripped > 0, constraint, check_media(body, self.limits, bounds))
 
-    async def _check(self, raw: bytes, generation: bool = True) -> bytes | None:
+    async def _check(self, raw: bytes, kind: RouteKind = RouteKind.GENERATION) -> bytes | None:
         """Check the body's known poison (generation routes) and media; returns the rewritten body when
         anything was changed (client uuids dropped, remote images inlined), else None. A body above
         :data:`_OFFLOAD_BYTES` is parsed and checked off the event loop (other requests, /health and
         streams keep it)."""
         if len(raw) > _OFFLOAD_BYTES:
-            found = await asyncio.to_thread(self._inspect, raw, generation)
+            found = await asyncio.to_thread(self._inspect, raw, kind)
         else:  # under a millisecond: a hop to a thread and back cost more under load, when the loop is busy
-            found = self._inspect(raw, generation)
+            found = self._inspect(raw, kind)
         if found.body is None or found.media is None:
             return None
         body = found.body

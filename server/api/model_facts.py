@@ -49,14 +49,15 @@ def placeholder_tokens(hf_config: Any, tokenizer: Any) -> tuple[str, ...]:
 def poison_rules(model_config: Any, vllm_config: Any, tokenizer: Any) -> PoisonRules:
     """The door's facts about the served model (see :mod:`server.api.poison`); without a tokenizer
     (``--skip-tokenizer-init``) no placeholder strings and no compile check."""
-    vocab_size = int(model_config.get_vocab_size())
+    vocab_size, max_model_len = int(model_config.get_vocab_size()), int(model_config.max_model_len)
     if tokenizer is None:
-        return PoisonRules(vocab_size=vocab_size)
+        return PoisonRules(vocab_size=vocab_size, max_model_len=max_model_len)
     return PoisonRules(
         vocab_size=vocab_size,
         placeholders=placeholder_tokens(model_config.hf_config, tokenizer),
         compile_constraint=structured_output.xgrammar_compiler(vllm_config, tokenizer, vocab_size),
-        max_prompt_chars=max_prompt_chars(int(model_config.max_model_len), tokenizer),
+        max_prompt_chars=max_prompt_chars(max_model_len, tokenizer),
+        max_model_len=max_model_len,
     )
 
 

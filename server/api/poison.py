@@ -55,12 +55,14 @@ class PoisonRules:
         max_prompt_chars: ``max_model_len`` times the longest token's length in characters: a prompt whose
             text is longer cannot fit in the context (every token covers at most that many characters), so
             it is refused before it is tokenized. None: not known.
+        max_model_len: the model's context in tokens. None: not known.
     """
 
     vocab_size: int
     placeholders: tuple[str, ...] = ()
     compile_constraint: ConstraintCompiler | None = None
     max_prompt_chars: int | None = None
+    max_model_len: int | None = None
 
 
 #: Keys whose string values (and lists of strings) are prompt text, in every request shape of vLLM's routes.
@@ -97,6 +99,40 @@ def check_prompt_length(body: dict[str, Any], rules: PoisonRules | None) -> None
             f"prompt text of {chars} characters cannot fit the model's context (at most {rules.max_prompt_chars} "
             "characters: max_model_len tokens of the longest token's length)",
             reason="prompt_too_long",
+        )
+
+
+def integers(body: Any) -> int:
+    """How many JSON integers ``body`` holds, at any depth (iterative: a deep body cannot exhaust the stack)."""
+    stack, found = [body], 0
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            found += sum(1 for item in value if type(item) is int)
+            stack.extend(item for item in value if isinstance(item, (dict, list)))
+    return found
+
+
+def check_token_count(body: Any, rules: PoisonRules | None, max_sequences: int) -> None:
+    """Refuse a body that takes no prompt (``/detokenize``, the derender routes) but carries more token ids
+    than the outputs of one request can hold: ``max_sequences`` sequences of ``max_model_len`` tokens. Such a
+    route turns each id into text on the event loop (20 million ids to ``/detokenize`` held it 4-5 s and grew
+    the process by 2.2 GB; every integer is counted, as each route nests its ids differently).
+
+    Raises:
+        MediaError: 400 naming the count and the bound.
+    """
+    if rules is None or rules.max_model_len is None:
+        return
+    bound = rules.max_model_len * max_sequences
+    if (found := integers(body)) > bound:
+        raise MediaError(
+            HTTPStatus.BAD_REQUEST,
+            f"the request holds {found} token ids, more than {bound} ({max_sequences} sequences of the model's "
+            f"{rules.max_model_len} tokens): send fewer",
+            reason="too_many_tokens",
         )
 
 

@@ -137,3 +137,24 @@ async def test_server_load_tracking_works_as_stock(make_api: Any) -> None:
     body = {"model": api.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert (await api.client.post("/v1/chat/completions", json=body)).status_code == 200
     assert (await api.client.get("/load")).json() == {"server_load": 0}  # counted in, then out
+
+
+async def test_every_route_without_inputs_bounds_its_token_ids_values_and_objects(api: Api) -> None:
+    """Hostile review: the routes that take no prompt (detokenize, derender) skipped the door's value and
+    object bounds, and 20 million ids to /detokenize held the event loop 4-5 s (+2.2 GB). Each such route
+    vLLM's app has on this lane now refuses more token ids than --guard-max-sequences (16) sequences of the
+    context (the tiny profile's 4096) and more objects than the bound, before vLLM validates the body."""
+    bound = 16 * 4096
+    tried = []
+    for path in post_paths(api):
+        kind = post_kind(concrete(path))
+        if kind is None or kind[0] is not RouteKind.NO_INPUT:
+            continue
+        tried.append(path)
+        resp = await api.client.post(concrete(path), json={"model": api.model, "tokens": [1] * (bound + 1)})
+        assert resp.status_code == 400 and "token ids" in resp.json()["error"]["message"], (path, resp.text[:300])
+        resp = await api.client.post(concrete(path), json={"model": api.model, "x": [{}] * 10_001})
+        assert resp.status_code == 413 and "JSON objects" in resp.json()["error"]["message"], (path, resp.text[:300])
+    assert "/detokenize" in tried
+    ok = await api.client.post("/detokenize", json={"model": api.model, "tokens": [1] * bound})
+    assert ok.status_code == 200, ok.text[:300]

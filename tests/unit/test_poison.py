@@ -157,3 +157,14 @@ def test_constraints_compiled_with_the_given_backend() -> None:
         check_constraint({"grammar": "root ::= x"}, rules)
     check_constraint({"grammar": "root ::= x"}, None)  # before the engine is up: not compiled
     assert seen == [{"regex": "a+"}, {"grammar": "root ::= x"}]
+
+
+def test_integers_are_counted_at_any_depth_booleans_and_floats_not() -> None:
+    from server.api.poison import integers
+
+    body = {"tokens": [1, 2, True, 2.0], "x": [{"y": [[3, 4], 5]}], "n": 7}
+    assert integers(body) == 5  # a lone integer member is not a list of ids
+    deep: list[object] = [1]
+    for _ in range(50_000):
+        deep = [deep]
+    assert integers(deep) == 1
