@@ -181,6 +181,34 @@ class ClientErrorWithoutStack(logging.Filter):
         return True
 
 
+#: The longest log message kept (characters); a longer one is cut, its length said.
+MAX_LOG_CHARS = 8192
+#: The loggers whose handlers cut long messages: vLLM's, vlguard's, uvicorn's, and the root logger's.
+LONG_MESSAGE_LOGGERS = ("vllm", "server", "uvicorn", "uvicorn.error", "uvicorn.access", "")
+
+
+class LongMessageCut(logging.Filter):
+    """Cut a record's message to :data:`MAX_LOG_CHARS`. vLLM logs strings a client chose whole: an unknown
+    ``model`` of 5 MB made one 5 MB ERROR line (the event loop held 115 ms writing it), so one client could
+    fill the log and push out the lines an operator needs. A handler filter: it sees every record the
+    handler writes, whichever logger below it logged it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if len(message) > MAX_LOG_CHARS:
+            record.msg = f"{message[:MAX_LOG_CHARS]}... ({len(message) - MAX_LOG_CHARS} more characters cut)"
+            record.args = None
+        return True
+
+
+def cut_long_messages() -> None:
+    """Put :class:`LongMessageCut` on every handler of :data:`LONG_MESSAGE_LOGGERS` (once each)."""
+    for name in LONG_MESSAGE_LOGGERS:
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, LongMessageCut) for f in handler.filters):
+                handler.addFilter(LongMessageCut())
+
+
 def quiet_client_errors(log_error_stack: bool = False) -> None:
     """Put :class:`ClientErrorWithoutStack` on each of :data:`CLIENT_ERROR_LOGGERS` (once); with
     ``--log-error-stack`` take it off: the operator asked for every error's stack."""

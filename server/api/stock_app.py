@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.errors import install_error_handlers, quiet_client_errors, unavailable_response
+from server.api.errors import cut_long_messages, install_error_handlers, quiet_client_errors, unavailable_response
 from server.api.request_fixes import install_completion_fixes
 from server.api.routes import flat_routes
 
@@ -62,6 +62,7 @@ async def build_stock_app(args: argparse.Namespace, client: Any, tasks: tuple[st
     log_error_stack = bool(getattr(args, "log_error_stack", False))
     install_error_handlers(app, log_error_stack=log_error_stack)
     quiet_client_errors(log_error_stack)
+    cut_long_messages()  # vLLM's, vlguard's and uvicorn's handlers are all set up by now
     # vLLM's handlers for what vlguard's map leaves to its catch-all (engine errors, vLLM's error base class)
     app.exception_handlers = {
         error: handler for error, handler in app.exception_handlers.items() if not _is_vllms(handler)

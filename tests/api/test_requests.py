@@ -240,3 +240,28 @@ async def test_a_responses_item_vllm_cannot_render_is_never_a_5xx(api: Api, item
         assert len(api.engine.requests) == seen
     good = {"model": api.model, "input": "Is the exit clear?", "max_output_tokens": 2}
     assert (await api.client.post("/v1/responses", json=good)).status_code == 200
+
+
+async def test_a_clients_long_string_is_cut_in_the_log(api: Api) -> None:
+    """Hostile review: vLLM logs an unknown ``model`` whole, so one request made a 5 MB ERROR line (the event
+    loop held 115 ms writing it). Every handler of vLLM's, vlguard's and uvicorn's loggers now cuts a message
+    to 8192 characters, saying how much was cut."""
+    import io
+    import logging
+
+    from server.api.errors import MAX_LOG_CHARS, LongMessageCut
+
+    vllm_log = logging.getLogger("vllm")
+    assert vllm_log.handlers and all(any(isinstance(f, LongMessageCut) for f in h.filters) for h in vllm_log.handlers)
+    written = io.StringIO()
+    capture = logging.StreamHandler(written)  # written as vLLM's own handler writes
+    capture.filters = list(vllm_log.handlers[0].filters)
+    vllm_log.addHandler(capture)
+    body = {"model": "m" * 5_000_000, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        resp = await api.client.post("/v1/chat/completions", json=body)
+    finally:
+        vllm_log.removeHandler(capture)
+    assert resp.status_code == 404, resp.text[:200]
+    assert "more characters cut" in written.getvalue(), written.getvalue()[:300]
+    assert len(written.getvalue()) < 2 * MAX_LOG_CHARS
