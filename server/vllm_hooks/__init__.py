@@ -21,7 +21,8 @@ the process).
 - :mod:`.models`: the model registry's class loading and method replacement on model classes (the
   deepstack backports, which stay probe-based: :mod:`server.patches.detect`), and the compile cache load;
 - :mod:`.processor_cache`: vLLM's multimodal processor cache in the form replays survive (a vLLM plugin);
-- :mod:`.structured_output`: vLLM's xgrammar backend, for the door's compile check;
+- :mod:`.structured_output`: vLLM's xgrammar backend, for the door's compile check, and its cache of
+  compiled grammars emptied after each compile (every process);
 - :mod:`.media_connector`: vLLM's media connector under vlguard's media policy, and its item trackers
   without client uuids (API process);
 - :mod:`.bench`: the phase trace's stamps (bench only; serving never imports it).
@@ -188,6 +189,11 @@ _GRAMMAR = (
     "vllm#43920: a grammar the engine's backend cannot compile kills the engine core (engine-side fix: vllm PR #47312)",
     "every supported vLLM has vllm PR #47312",
 )
+_GRAMMAR_CACHE = (
+    "xgrammar's cache of compiled grammars is bounded by VLLM_XGRAMMAR_CACHE_MB but the process is not: "
+    "distinct constraints grow the engine core ~1.6 MB each",
+    "vLLM or xgrammar bound the memory compiled grammars hold",
+)
 _MEDIA = (
     "vLLM's media connector fetches any http(s) URL (remote media has no off switch), decodes images and video "
     "frames of any size, and takes a request's media_io_kwargs (num_frames -1, video_backend) and media uuids "
@@ -248,6 +254,8 @@ TARGETS: tuple[Target, ...] = (
            at_start=False, why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
     Target(GRAMMAR, "XgrammarBackend.compile_grammar", ("self",), f"{_SO}:xgrammar_compiler", at_start=False,
            why=_GRAMMAR[0], until=_GRAMMAR[1]),
+    Target(GRAMMAR, "XgrammarBackend.compile_grammar", ("self",), f"{_SO}:forget_compiled_grammars",
+           why=_GRAMMAR_CACHE[0], until=_GRAMMAR_CACHE[1]),
     Target(GRAMMAR, "validate_xgrammar_grammar", ("sampling_params",), f"{_SO}:xgrammar_compiler", at_start=False,
            why=_GRAMMAR[0], until=_GRAMMAR[1]),
     Target("vllm.v1.structured_output.request", "get_structured_output_key", (), f"{_SO}:xgrammar_compiler",
