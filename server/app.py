@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server.api import parsed_body
 from server.api.admin import router as admin_router
 from server.api.admission import AdmissionMiddleware
 from server.api.errors import install_error_handlers
@@ -161,6 +162,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
     media = MediaPolicy.of(settings, args)
     media_connector.install(media, trust_client_uuids=settings.trust_client_uuids)
+    parsed_body.install()  # vLLM's routes take the door's parse of a body: parsed once
     # The docs are vLLM's app's (--disable-fastapi-docs, --enable-offline-docs as stock)
     app = FastAPI(title="vlguard", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     stock = StockApp()

@@ -27,7 +27,8 @@ context); input routes (``/tokenize``, render) all but step 3:
 5. with ``--guard-remote-media on``, remote images are fetched under vlguard's policy and inlined
    (:mod:`server.api.remote_media`; **400**/**413**/**504**), after the count.
 
-The body is then handed on (unchanged unless client uuids were dropped or remote images inlined). Every
+The body is then handed on (unchanged unless client uuids were dropped or remote images inlined), with the
+door's parse of it, which vLLM's route takes instead of parsing it again (:mod:`server.api.parsed_body`). Every
 refusal uses the OpenAI error envelope and is counted in ``vlguard_requests_rejected_total{reason}``.
 When a request ends its body leaves the budget, and what its parse leaves behind is bounded too
 (:mod:`server.api.garbage`).
@@ -56,6 +57,7 @@ from server.api.media import (
     strip_client_uuids,
 )
 from server.api.media_policy import MediaPolicy
+from server.api.parsed_body import hand_over
 from server.api.poison import (
     PoisonRules,
     check_constraint,
@@ -143,7 +145,8 @@ class Counts(dict[str, int]):
 class _Inspected(NamedTuple):
     """What the door's synchronous checks of a body found (:meth:`InputGuardMiddleware._inspect`)."""
 
-    body: dict[str, Any] | None  # None: not JSON (vLLM answers it)
+    parsed: Any  # the body's parse (json.loads's values), or _MALFORMED
+    body: dict[str, Any] | None  # the parse when the door checks its content (a JSON object on an input route)
     changed: bool  # client uuids dropped
     constraint: dict[str, Any] | None  # the structured-output constraint to compile
     media: MediaCheck | None
@@ -321,15 +324,17 @@ class InputGuardMiddleware:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind) -> None:
         try:
-            rewritten = await self._check(raw, kind)
+            checked, parsed = await self._check(raw, kind)
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
             return
-        if rewritten is not None:  # images normalised or inlined: hand on the rewritten body
-            raw = rewritten
+        if checked is not raw:  # client uuids dropped or remote media inlined: hand on the rewritten body
+            raw = checked
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+        if parsed is not _MALFORMED:  # vLLM's route takes the door's parse of these bytes: parsed once
+            scope = hand_over(scope, raw, parsed)
 
         replayed = False
         current_request.set((f"POST {route_path(scope)}", raw))  # the forensic record's (server.guard.forensics)
@@ -361,14 +366,14 @@ class InputGuardMiddleware:
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")
         body = _parse_json(raw)
         if body is _MALFORMED:
-            return _Inspected(None, False, None, None)  # vLLM answers malformed JSON with its own 400
+            return _Inspected(body, None, False, None, None)  # vLLM answers malformed JSON with its own 400
         if _objects_over(body, self.max_json_objects):  # vLLM validates each on the event loop: ~6 us apiece
             message = f"request body holds more than {self.max_json_objects} JSON objects"
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")
         rules = self.poison_rules()
         if kind is RouteKind.NO_INPUT:  # token ids to text (detokenize, derender), or no body: nothing else
             check_token_count(body, rules, self.max_sequences)
-            return _Inspected(None, False, None, None)
+            return _Inspected(body, None, False, None, None)
         if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
             message = f"request body must be a JSON object, not {type(body).__name__}"
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
@@ -382,19 +387,23 @@ class InputGuardMiddleware:
         if generation:
             check_sequences(body, self.max_sequences)
         constraint = check_known_poison(body, rules) if generation else None
-        return _Inspected(body, stripped > 0, constraint, check_media(body, self.limits, bounds))
+        return _Inspected(body, body, stripped > 0, constraint, check_media(body, self.limits, bounds))
 
-    async def _check(self, raw: bytes, kind: RouteKind = RouteKind.GENERATION) -> bytes | None:
-        """Check the body's known poison (generation routes) and media; returns the rewritten body when
-        anything was changed (client uuids dropped, remote images inlined), else None. A body above
-        :data:`_OFFLOAD_BYTES` is parsed and checked off the event loop (other requests, /health and
-        streams keep it)."""
+    async def _check(self, raw: bytes, kind: RouteKind = RouteKind.GENERATION) -> tuple[bytes, Any]:
+        """Check the body's known poison (generation routes) and media; returns the body to hand on (``raw``,
+        or a rewritten one when anything was changed: client uuids dropped, remote media inlined) and its
+        parse (:data:`_MALFORMED`: not JSON). A body above :data:`_OFFLOAD_BYTES` is parsed and checked off
+        the event loop (other requests, /health and streams keep it).
+
+        Raises:
+            MediaError: the refusal.
+        """
         if len(raw) > _OFFLOAD_BYTES:
             found = await asyncio.to_thread(self._inspect, raw, kind)
         else:  # under a millisecond: a hop to a thread and back cost more under load, when the loop is busy
             found = self._inspect(raw, kind)
         if found.body is None or found.media is None:
-            return None
+            return raw, found.parsed
         body = found.body
         if found.constraint is not None:
             await asyncio.to_thread(check_constraint, found.constraint, self.poison_rules())
@@ -402,10 +411,10 @@ class InputGuardMiddleware:
         if self.limits.remote_media:
             fetched = await inline_remote_media(body, self.limits, self.remote)
         if not (found.changed or fetched > 0):
-            return None
+            return raw, body
         if len(raw) > _OFFLOAD_BYTES:
-            return await asyncio.to_thread(_dumps, body)
-        return _dumps(body)
+            return await asyncio.to_thread(_dumps, body), body
+        return _dumps(body), body
 
     @staticmethod
     async def _refuse(
