@@ -288,8 +288,8 @@ async def test_huge_bodies_never_hold_the_event_loop(api: Api) -> None:
     assert statuses[:2] == [413, 400], statuses
     assert statuses[2] < 500 and statuses[3:] == [413, 413], statuses
     # Standalone /health waits 0.54-0.58 s at worst here, 1.03 s once late in a full suite (CI): pydantic's
-    # parse of a 15-50 MB body in the door's thread holds the GIL throughout, and vLLM parses the 50 MB body the
-    # door lets through again, on the event loop. The bound guards against the 10-18 s this test was written for.
+    # parse of a 15-50 MB body in the door's thread holds the GIL throughout (vLLM's route takes the door's
+    # parse of the 50 MB body it lets through). The bound guards against the 10-18 s this test was written for.
     assert worst < 1.5, f"/health waited {worst:.2f} s"
 
 
