@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.api import parsed_body
 from server.api.errors import guard_error_response
 from server.api.routes import is_generation
 from server.guard.clients import ClientRefusedError, client_key, current_client
@@ -54,6 +55,7 @@ class AdmissionMiddleware:
             await guard_error_response(exc)(scope, receive, send)
             return
         if self.supervisor.state is not EngineState.READY:
+            parsed_body.drop(scope)  # a held request keeps its bytes (the body budget's count), not their parse
             try:
                 await self.supervisor.acquire()
             except EngineUnavailableError as exc:

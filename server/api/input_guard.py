@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, NamedTuple
@@ -80,6 +81,9 @@ _OFFLOAD_BYTES = 1 << 20
 
 _MALFORMED = object()
 
+#: The most digits pydantic's JSON parser takes in an integer (CPython's default for ``int()``, 4300).
+_PYDANTIC_INT_DIGITS = 4300
+
 
 def _no_constant(name: str) -> Any:
     raise MediaError(
@@ -91,16 +95,18 @@ def _parse_json(raw: bytes) -> Any:
     """The request body parsed, or :data:`_MALFORMED`. pydantic's JSON parser first (~5x the standard
     library's on a body with an image), refusing ``NaN`` and ``Infinity`` while it parses; what it refuses
     (those, depth over its limit of 200, lone surrogates, a byte-order mark, UTF-16 or UTF-32, malformed
-    JSON) is parsed again by ``json``, whose result vLLM's own parser would see.
+    JSON, integers over 4300 digits) is parsed again by ``json``, whose result vLLM's own parser would see.
+    Where the interpreter's integer digit limit is lower (``PYTHONINTMAXSTRDIGITS``), ``json`` alone.
 
     Raises:
         MediaError: 400 for ``NaN``/``Infinity`` (vLLM's parser takes them; the engine faults on some), and
             for JSON nested too deeply for ``json`` (FastAPI's parser would answer 500).
     """
-    try:
-        return pydantic_core.from_json(raw, allow_inf_nan=False)
-    except ValueError:
-        pass
+    if not 0 < sys.get_int_max_str_digits() < _PYDANTIC_INT_DIGITS:  # else json refuses integers pydantic takes
+        try:
+            return pydantic_core.from_json(raw, allow_inf_nan=False)
+        except ValueError:
+            pass
     try:
         return json.loads(raw, parse_constant=_no_constant)
     except MediaError:
@@ -335,6 +341,7 @@ class InputGuardMiddleware:
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
         if parsed is not _MALFORMED:  # vLLM's route takes the door's parse of these bytes: parsed once
             scope = hand_over(scope, raw, parsed)
+        del parsed  # the scope holds it until taken, or dropped if the request waits for the engine
 
         replayed = False
         current_request.set((f"POST {route_path(scope)}", raw))  # the forensic record's (server.guard.forensics)

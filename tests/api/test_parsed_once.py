@@ -4,12 +4,16 @@ The answers are the same as when the route parsed the body itself."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import tracemalloc
 from typing import Any
 
 import pytest
 import starlette.requests
 
+from server.guard.states import EngineState
 from server.workload.images import photo_uri
 from tests.helpers import chat_body
 from tests.inprocess import Api
@@ -63,3 +67,62 @@ async def test_a_body_the_door_cannot_parse_is_answered_by_vllms_own_parse(
     resp = await api.client.post(CHAT, content=b'{"model": ', headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     assert route_parses.parsed == [10]  # nothing handed over: vLLM's route parsed it (and refused it)
+
+
+#: What :func:`redacting_logger` read of each body: (its parse before the route ran, the same after).
+LOGGED: list[tuple[Any, Any]] = []
+
+
+async def redacting_logger(request: Any, call_next: Any) -> Any:
+    """A ``--middleware`` that reads the body, logs a redacted copy of its parse, and checks afterwards that
+    nothing else changed that parse."""
+    body = await request.json()
+    if isinstance(body, dict) and "prompt" in body:
+        body["prompt"] = "[redacted]"  # its own parse: the route must not see this
+    before = json.loads(json.dumps(body))
+    response = await call_next(request)
+    LOGGED.append((before, body))
+    return response
+
+
+async def test_a_middleware_and_the_route_each_get_a_parse_of_their_own(make_api: Any) -> None:
+    """Hostile review: a ``--middleware`` that read the body shared the door's one parse with vLLM's route.
+    A redaction made for a log reached the engine, and SageMaker's adapter id injection on /invocations
+    changed the middleware's parse (``model`` became null). Stock gives each reader its own."""
+    api: Api = await make_api("--middleware", f"{__name__}.redacting_logger")
+    LOGGED.clear()
+    completion = {"model": api.model, "prompt": [1, 2, 3], "max_tokens": 2}
+    assert (await api.client.post("/v1/completions", json=completion)).status_code == 200
+    assert api.engine.prompts[api.engine.requests[-1]] == [1, 2, 3]  # before: the redaction's tokens
+    assert (await api.client.post("/invocations", json=completion)).status_code == 200
+    assert [after == before for before, after in LOGGED] == [True, True]  # before: /invocations' was changed
+
+
+async def test_a_request_held_for_the_engine_keeps_its_bytes_not_their_parse(api: Api) -> None:
+    """Hostile review: a request held while the engine restarts kept the door's parse beside its bytes, and
+    the body budget counts bytes: two 602 KB bodies of nested empty lists held 39.7 MB instead of 1.2 MB.
+    A held request now drops the parse; its route parses the body once the engine is back."""
+    nest = b"[" * 150 + b"]" * 150
+    raw = b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "x": [%s]}' % (
+        api.model.encode(),
+        b",".join([nest] * 2000),
+    )
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    api.supervisor.states.set(EngineState.RESTARTING)
+    headers = {"content-type": "application/json"}
+    tasks = [asyncio.create_task(api.client.post(CHAT, content=raw, headers=headers)) for _ in range(2)]
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while api.supervisor.states.held < 2:  # both wait at the door with their bodies read
+            assert asyncio.get_running_loop().time() < deadline, "the requests were never held"
+            await asyncio.sleep(0.01)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        api.supervisor.states.set(EngineState.READY)
+        responses = await asyncio.gather(*tasks)
+        tracemalloc.stop()
+    assert [r.status_code for r in responses] == [200, 200], [r.text[:200] for r in responses]
+    assert held < 8 * len(raw), f"{held} bytes held for two held bodies of {len(raw)}"

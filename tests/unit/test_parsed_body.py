@@ -4,6 +4,7 @@ value, wherever the door lets a body through, and a route takes it only for the 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from starlette.requests import Request
 
 from server.api.input_guard import _MALFORMED, _parse_json
 from server.api.media import MediaError
-from server.api.parsed_body import hand_over, install
+from server.api.parsed_body import drop, hand_over, install
 
 #: Bodies where JSON parsers are known to part ways: duplicate keys, numbers at the edges of a float, big
 #: integers, surrogates, control characters, byte-order marks, bad UTF-8, trailing bytes, constants.
@@ -97,6 +98,43 @@ async def test_other_bytes_are_parsed_as_stock_parses_them() -> None:
     for other in (b'{"a": 3}', b'{"a": [1, 2]} '):  # rewritten by a middleware
         assert await _request(hand_over({}, raw, parsed), other).json() == json.loads(other)
     assert await _request({}, raw).json() == parsed  # nothing handed over
+
+
+async def test_each_reader_gets_a_parse_of_its_own() -> None:
+    """Hostile review: a ``--middleware`` that read the body and the route shared the door's one parse, so
+    what one changed the other saw (a middleware's redaction reached the engine; a vLLM validator's default
+    reached the middleware). The first reader takes it; later readers parse the bytes, as stock."""
+    install()
+    raw, parsed = b'{"a": [1, 2]}', {"a": [1, 2]}
+    scope = hand_over({}, raw, parsed)
+    first = await _request(scope, raw).json()
+    later = [await _request(scope, raw).json(), await _request({**scope}, raw).json()]  # a copied scope too
+    assert first is parsed and all(p == parsed and p is not parsed for p in later)
+
+
+async def test_a_dropped_parse_is_not_taken() -> None:
+    install()
+    raw, parsed = b'{"a": [1, 2]}', {"a": [1, 2]}
+    scope = hand_over({}, raw, parsed)
+    drop(scope)
+    taken = await _request(scope, raw).json()
+    assert taken == parsed and taken is not parsed
+    drop({})  # nothing handed over: nothing to drop
+
+
+def test_a_lower_integer_digit_limit_is_json_loads_too() -> None:
+    """Hostile review: pydantic's parser takes integers up to 4300 digits whatever the interpreter's limit;
+    with a lower one (``PYTHONINTMAXSTRDIGITS=640``) ``json.loads`` refuses what the door had parsed."""
+    raw = b'{"a": ' + b"7" * 1000 + b"}"
+    before = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)
+    try:
+        with pytest.raises(ValueError):
+            json.loads(raw)
+        assert _door_parse(raw) is _MALFORMED
+        assert _door_parse(b'{"a": ' + b"7" * 600 + b"}") == {"a": int("7" * 600)}
+    finally:
+        sys.set_int_max_str_digits(before)
 
 
 def test_install_is_idempotent() -> None:
