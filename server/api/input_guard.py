@@ -152,10 +152,9 @@ class _Inspected(NamedTuple):
     """What the door's synchronous checks of a body found (:meth:`InputGuardMiddleware._inspect`)."""
 
     parsed: Any  # the body's parse (json.loads's values), or _MALFORMED
-    body: dict[str, Any] | None  # the parse when the door checks its content (a JSON object on an input route)
     changed: bool  # client uuids dropped
     constraint: dict[str, Any] | None  # the structured-output constraint to compile
-    media: MediaCheck | None
+    media: MediaCheck | None  # None: content not checked (not JSON, or a route that takes no input)
 
 
 class InputGuardMiddleware:
@@ -373,14 +372,14 @@ class InputGuardMiddleware:
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")
         body = _parse_json(raw)
         if body is _MALFORMED:
-            return _Inspected(body, None, False, None, None)  # vLLM answers malformed JSON with its own 400
+            return _Inspected(body, False, None, None)  # vLLM answers malformed JSON with its own 400
         if _objects_over(body, self.max_json_objects):  # vLLM validates each on the event loop: ~6 us apiece
             message = f"request body holds more than {self.max_json_objects} JSON objects"
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")
         rules = self.poison_rules()
         if kind is RouteKind.NO_INPUT:  # token ids to text (detokenize, derender), or no body: nothing else
             check_token_count(body, rules, self.max_sequences)
-            return _Inspected(body, None, False, None, None)
+            return _Inspected(body, False, None, None)
         if not isinstance(body, dict):  # vLLM's request models' before-validators call .get() on it: a 500
             message = f"request body must be a JSON object, not {type(body).__name__}"
             raise MediaError(HTTPStatus.BAD_REQUEST, message, "body")
@@ -394,7 +393,7 @@ class InputGuardMiddleware:
         if generation:
             check_sequences(body, self.max_sequences)
         constraint = check_known_poison(body, rules) if generation else None
-        return _Inspected(body, body, stripped > 0, constraint, check_media(body, self.limits, bounds))
+        return _Inspected(body, stripped > 0, constraint, check_media(body, self.limits, bounds))
 
     async def _check(self, raw: bytes, kind: RouteKind = RouteKind.GENERATION) -> tuple[bytes, Any]:
         """Check the body's known poison (generation routes) and media; returns the body to hand on (``raw``,
@@ -409,9 +408,9 @@ class InputGuardMiddleware:
             found = await asyncio.to_thread(self._inspect, raw, kind)
         else:  # under a millisecond: a hop to a thread and back cost more under load, when the loop is busy
             found = self._inspect(raw, kind)
-        if found.body is None or found.media is None:
+        if found.media is None:
             return raw, found.parsed
-        body = found.body
+        body: dict[str, Any] = found.parsed  # a JSON object: its content was checked
         if found.constraint is not None:
             await asyncio.to_thread(check_constraint, found.constraint, self.poison_rules())
         fetched = 0

@@ -69,6 +69,11 @@ class PoisonRules:
 TEXT_KEYS = frozenset({"prompt", "text", "content", "input", "system", "instructions"})
 
 
+def _refuse(message: str, reason: str = "poison") -> MediaError:
+    """A 400 refusal (``vlguard_requests_rejected_total{reason}``)."""
+    return MediaError(HTTPStatus.BAD_REQUEST, message, reason=reason)
+
+
 def prompt_extent(body: dict[str, Any]) -> tuple[int, int]:
     """``(characters, token ids)`` of prompt in ``body``: the characters of the strings under
     :data:`TEXT_KEYS`, and the length of the longest list of token ids there (a completions ``prompt``, or
@@ -101,15 +106,13 @@ def check_prompt_length(body: dict[str, Any], rules: PoisonRules | None) -> None
         return
     chars, ids = prompt_extent(body)
     if rules.max_prompt_chars is not None and chars > rules.max_prompt_chars:
-        raise MediaError(
-            HTTPStatus.BAD_REQUEST,
+        raise _refuse(
             f"prompt text of {chars} characters cannot fit the model's context (at most {rules.max_prompt_chars} "
             "characters: max_model_len tokens of the longest token's length)",
             reason="prompt_too_long",
         )
     if rules.max_model_len is not None and ids > rules.max_model_len:
-        raise MediaError(
-            HTTPStatus.BAD_REQUEST,
+        raise _refuse(
             f"a prompt of {ids} token ids cannot fit the model's context of {rules.max_model_len} tokens",
             reason="prompt_too_long",
         )
@@ -141,8 +144,7 @@ def check_token_count(body: Any, rules: PoisonRules | None, max_sequences: int) 
         return
     bound = rules.max_model_len * max_sequences
     if (found := integers(body)) > bound:
-        raise MediaError(
-            HTTPStatus.BAD_REQUEST,
+        raise _refuse(
             f"the request holds {found} token ids, more than {bound} ({max_sequences} sequences of the model's "
             f"{rules.max_model_len} tokens): send fewer",
             reason="too_many_tokens",
@@ -166,16 +168,11 @@ def check_sequences(body: dict[str, Any], max_sequences: int) -> None:
         MediaError: 400 naming the count and the bound.
     """
     if (asked := sequences(body)) > max_sequences:
-        raise MediaError(
-            HTTPStatus.BAD_REQUEST,
+        raise _refuse(
             f"the request asks for {asked} sequences (n or best_of, times the prompts of a batch), more than "
             f"this server's limit of {max_sequences} per request: send fewer, or several requests",
             reason="too_many_sequences",
         )
-
-
-def _refuse(message: str) -> MediaError:
-    return MediaError(HTTPStatus.BAD_REQUEST, message, reason="poison")
 
 
 def _non_finite(value: Any, where: str) -> Iterator[str]:
