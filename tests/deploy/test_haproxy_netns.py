@@ -189,14 +189,21 @@ def test_one_source_with_2100_half_sent_requests_locks_no_one_else_out(
 def test_edge_refuses_chunked_bodies_and_keeps_internal_routes_internal(
     haproxy_bin: str, client_netns: str, eager_server: ServerProcess, tmp_path: Path
 ) -> None:
-    """#47: an 80 MiB chunked body (its length unknown until its end) is refused at the edge with 411; the
-    internal routes are not served on the public listener (404) and are on the internal one."""
+    """#47: a chunked body (its length unknown until its end) is refused at the edge with 411, an 80 MiB one
+    too (never vlguard's 413); the internal routes are not served on the public listener (404) and are on
+    the internal one."""
     lb = balancer(haproxy_bin, tmp_path, eager_server)
     url, internal = lb.url, lb.internal  # type: ignore[attr-defined]
     try:
-        chunked = from_client(client_netns, "POST", url + "/detokenize", "Content-Type: application/json",
-                              "Transfer-Encoding: chunked", stdin=b"0" * (80 << 20), curl=("-T", "-"))  # fmt: skip
-        assert chunked == 411
+        small = from_client(client_netns, "POST", url + "/detokenize", "Content-Type: application/json",
+                            "Transfer-Encoding: chunked", stdin=b'{"tokens": [1]}', curl=("-T", "-"))  # fmt: skip
+        assert small == 411
+        # 80 MiB: the edge answers 411 and closes while curl still uploads, so curl may lose the 411 to the
+        # reset and report only HAProxy's "100 Continue" (or nothing); vlguard past the edge would read 64 MiB
+        # and answer 413.
+        big = from_client(client_netns, "POST", url + "/detokenize", "Content-Type: application/json",
+                          "Transfer-Encoding: chunked", stdin=b"0" * (80 << 20), curl=("-T", "-"))  # fmt: skip
+        assert big in (411, 100, 0)
         declared = from_client(client_netns, "POST", url + "/tokenize", f"Content-Length: {65 << 20}",
                                "Content-Type: application/json", curl=("--data-binary", "{}"))  # fmt: skip
         assert declared in (413, 0)  # refused on its declared length (curl may see the close first)
