@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="throughput scenarios: without the phase-by-phase TTFT trace in both servers (it costs vlguard's "
         "side, which has more points, slightly more than stock's)",
     )
+    cmp_.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="overhead: without the A/A stock twin (two servers instead of three: quicker, but the figures are "
+        "not set against the machine's floor)",
+    )
     _workload_args(cmp_)
     sub.add_parser("normalize", help="Time image normalisation, off vs on, per image (no server).")
     return parser
@@ -273,6 +279,7 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         fault_duration_s=args.fault_duration,
         progress=not args.no_progress,
         trace=not args.no_trace,
+        floor=not args.no_floor,
     )
     stem = args.out / f"compare-{args.scenario}"
     if args.instances < 1 or (args.instances > 1 and args.scenario in ("kill", "fault", "poison")):

@@ -106,6 +106,13 @@ class CompareOptions:
     progress: bool = True
     ready_timeout_s: float = 900.0
     trace: bool = True  # the phase trace in both servers (server.workload.phase_trace)
+    floor: bool = True  # the scenario's A/A twin of its reference (overhead: a second stock server)
+
+
+def systems(opts: CompareOptions) -> tuple[System, ...]:
+    """The systems ``opts`` compares: its scenario's (:data:`SCENARIOS`), the A/A twin (the third) left out
+    without ``opts.floor``."""
+    return SCENARIOS[opts.scenario] if opts.floor else SCENARIOS[opts.scenario][:2]
 
 
 def trace_path(system: System, opts: CompareOptions) -> Path:
@@ -153,9 +160,9 @@ def _running(opts: CompareOptions, fresh: bool = True, reverse: bool = False) ->
     ``reverse``: they are waited on and paused in reverse order (they still boot at the same time).
     vlguard is paused once its spare engine process is ready too (its imports would otherwise run inside
     the measured load). ``fresh``: as for :func:`system_server`."""
-    systems = SCENARIOS[opts.scenario]
-    servers = {s.name: system_server(s, opts, fresh=fresh) for s in systems}
-    order = [servers[s.name] for s in (systems[::-1] if reverse else systems)]
+    started = systems(opts)
+    servers = {s.name: system_server(s, opts, fresh=fresh) for s in started}
+    order = [servers[s.name] for s in (started[::-1] if reverse else started)]
     try:
         for srv in order:
             srv.start()
@@ -315,7 +322,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
     Where the scenario has an A/A twin of its reference (``overhead``: a second stock server), ``floor``
     holds the twin's figures against the reference from the same rounds and ``verdict`` says whether the
     first system's lie inside them."""
-    names = [s.name for s in SCENARIOS[opts.scenario]]
+    names = [s.name for s in systems(opts)]
     a, b = names[:2]
     tallies = {n: _Tally() for n in names}
     round_ratios: dict[str, list[float]] = {n: [] for n in names if n != b}
@@ -344,7 +351,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         # The streamed requests' TTFT phase by phase, stamped in both servers (report.trace_phases_ms).
         "ttft_trace_ms": {
             name: report.trace_phases_ms(records[name], phase_trace.read(trace_path(system, opts)))
-            for name, system in zip((a, b), SCENARIOS[opts.scenario], strict=False)
+            for name, system in zip((a, b), systems(opts), strict=False)
             if opts.trace
         },
         # Requests each engine served in those rounds: the client's plus the server's own (probes).

@@ -63,10 +63,13 @@ ORDER = ("asgi", "input_guard", "checks", "checked", "admission", "handler", "re
 
 
 def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_model: Path, tmp_path: Path) -> None:
+    """The overhead scenario's harness on two real servers (``--no-floor``: a third, the A/A twin, cost ~25 s
+    of CI; the floor's figures and verdicts are unit-tested over the three systems, test_workload.py)."""
     proc = _bench("compare", str(tiny_model), "--rounds", "2", "--warmup", "0", "--pairs", "2", "--concurrency", "2",
-                  "--max-tokens", "4", "--out", str(tmp_path), "--no-progress",
+                  "--max-tokens", "4", "--out", str(tmp_path), "--no-progress", "--no-floor",
                   "--", "--config", str(TINY_PROFILE), "--enforce-eager", timeout_s=900)  # fmt: skip
     assert "ratios vlguard/stock: throughput" in proc.stdout
+    assert "floor" not in json.loads((tmp_path / "compare-overhead.json").read_text())  # two servers, not three
     data = json.loads((tmp_path / "compare-overhead.json").read_text())
     for name in ("vlguard", "stock"):
         assert (data["summaries"][name]["requests"], data["summaries"][name]["failed"]) == (8, 0), name

@@ -24,7 +24,17 @@ from openai import OpenAI
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages
 from tests.conftest import slow_steps_flag, token_ids
-from tests.helpers import assert_session_ends, engine_core, gone, labelled, metric, poll, process_name, sse_tokens
+from tests.helpers import (
+    assert_session_ends,
+    carried_over,
+    engine_core,
+    gone,
+    labelled,
+    metric,
+    poll,
+    process_name,
+    sse_tokens,
+)
 from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
@@ -387,11 +397,11 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
     refused = metric(guarded, "vlguard_requests_quarantined_total")
     for _ in range(2):
         poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
-        core = engine_core(guarded)
-        # Two non-streaming requests first, then two identical streams: once both streams have tokens,
-        # all four are decoding in the engine (512 tokens each: seconds of work left) when it is killed.
-        # (Waiting on the in-flight gauge instead raced: identical requests served from the prefix cache
-        # finished between the poll and the kill.)
+        core, carried = engine_core(guarded), carried_over(guarded)  # before the requests: 512 tokens take ~2.5 s
+        # Two non-streaming requests first, then two identical streams, killed once both streams have tokens
+        # (512 tokens each take ~2.5 s here: the streams, at least, are still decoding; the non-streaming
+        # two sometimes finished first). (Waiting on the in-flight gauge instead raced: identical requests
+        # served from the prefix cache finished between the poll and the kill.)
         started = [threading.Event(), threading.Event()]
         with ThreadPoolExecutor(4) as pool:
             plain = [pool.submit(client.chat.completions.create, model=model_name, messages=messages, max_tokens=512,
@@ -401,6 +411,8 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
             core.send_signal(signal.SIGKILL)
             assert [len(f.result().choices) for f in plain] == [1, 1]  # served: 200
             assert [(len(ids), err) for ids, err in (f.result() for f in streams)] == [(512, None), (512, None)]
+        # requests of the one fingerprint were in flight at each kill (they carry its strikes, if any)
+        assert carried_over(guarded) >= carried + 2
     assert metric(guarded, "vlguard_quarantine_strikes_total") == strikes
     assert metric(guarded, "vlguard_requests_quarantined_total") == refused
 

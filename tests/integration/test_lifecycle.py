@@ -175,7 +175,8 @@ def test_a_stuck_rebuild_is_abandoned_and_sigkill_during_the_next_leaves_nothing
     stopped one included) and the attempt fails; as the next one starts, vlguard is SIGKILLed, and every
     process of the server ends with it. (SIGTERM during a rebuild:
     test_guard.py's last test.)"""
-    srv = _start(sessions, tiny_model, tmp_path / "server.log", *SPARE, "--guard-rebuild-timeout", "20")
+    # 10 s: the replacement is the spare, imported beforehand (a healthy hand-over takes ~5 s here)
+    srv = _start(sessions, tiny_model, tmp_path / "server.log", *SPARE, "--guard-rebuild-timeout", "10")
     srv.wait_ready()
     old = engine_core(srv)
 
