@@ -49,8 +49,8 @@ tools:  ## system tools the deploy tests drive (systemd-analyze), from Debian's 
 
 # mypy's cache lives beside the environments (a clean clone otherwise pays a cold mypy, ~60 s on 2 cores).
 lint:  ## ruff (lint + format) and mypy
-	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests && \
-	  $$PY -m ruff format --check server tests && $$PY -m mypy --cache-dir "$(VLGUARD_CACHE)/mypy-$(VLLM)"
+	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests docs/experiments && \
+	  $$PY -m ruff format --check server tests docs/experiments && $$PY -m mypy --cache-dir "$(VLGUARD_CACHE)/mypy-$(VLLM)"
 
 test: $(if $(filter no,$(LINT)),,lint) tools  ## lint, then the test suite (SUITE=full|lane|front) on the lane VLLM (0.20.0, 0.22.1, 0.32.0; front: 0.34.0)
 	@paths=; case "$(SUITE)" in full) marker= ;; lane) marker="lane and not full_only" ;; \
