@@ -52,8 +52,9 @@ lint:  ## ruff (lint + format) and mypy
 	@PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m ruff check server tests docs/experiments && \
 	  $$PY -m ruff format --check server tests docs/experiments && $$PY -m mypy --cache-dir "$(VLGUARD_CACHE)/mypy-$(VLLM)"
 
-test: $(if $(filter no,$(LINT)),,lint) tools  ## lint, then the test suite (SUITE=full|lane|front) on the lane VLLM (0.20.0, 0.22.1, 0.32.0; front: 0.34.0)
+test: $(if $(filter no,$(LINT)),,lint) tools  ## lint, then the test suite (SUITE=full|lane|engine|front) on the lane VLLM (0.20.0, 0.22.1, 0.32.0; front: 0.34.0)
 	@paths=; case "$(SUITE)" in full) marker= ;; lane) marker="lane and not full_only" ;; \
+	  engine) marker="lane and not full_only"; paths="tests/unit tests/integration" ;; \
 	  front) marker="lane and not full_only"; paths="tests/unit tests/api" ;; \
-	  *) echo "SUITE must be full, lane or front, not '$(SUITE)'" >&2; exit 2 ;; esac; \
+	  *) echo "SUITE must be full, lane, engine or front, not '$(SUITE)'" >&2; exit 2 ;; esac; \
 	PY=$$(scripts/venv.sh $(VLLM)) && $$PY -m pytest $${marker:+-m "$$marker"} $(PYTEST_ARGS) $$paths

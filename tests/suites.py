@@ -1,6 +1,7 @@
-"""Which tests each lane runs (``make test SUITE=full|lane|front``), decided here and nowhere else: the
-``lane`` marker by folder (:func:`marks_lane`), and the unit modules the other lanes skip. Imports no vLLM
-(the root ``conftest`` reads it at collection on every lane)."""
+"""Which tests each lane runs (``make test SUITE=full|lane|engine|front``), decided here and in the
+Makefile's folders for each suite (``engine``: unit and integration; ``front``: unit and API) and nowhere
+else: the ``lane`` marker by folder (:func:`marks_lane`), and the unit modules the other lanes skip. Imports
+no vLLM (the root ``conftest`` reads it at collection on every lane)."""
 
 from __future__ import annotations
 
