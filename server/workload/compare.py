@@ -322,7 +322,8 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
     Where the scenario has an A/A twin of its reference (``overhead``: a second stock server), ``floor``
     holds the twin's figures against the reference from the same rounds and ``verdict`` says whether the
     first system's lie inside them."""
-    names = [s.name for s in systems(opts)]
+    sides = systems(opts)
+    names = [s.name for s in sides]
     a, b = names[:2]
     tallies = {n: _Tally() for n in names}
     round_ratios: dict[str, list[float]] = {n: [] for n in names if n != b}
@@ -351,7 +352,7 @@ def throughput(opts: CompareOptions) -> dict[str, Any]:
         # The streamed requests' TTFT phase by phase, stamped in both servers (report.trace_phases_ms).
         "ttft_trace_ms": {
             name: report.trace_phases_ms(records[name], phase_trace.read(trace_path(system, opts)))
-            for name, system in zip((a, b), systems(opts), strict=False)
+            for name, system in zip((a, b), sides, strict=False)
             if opts.trace
         },
         # Requests each engine served in those rounds: the client's plus the server's own (probes).

@@ -397,7 +397,7 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
     refused = metric(guarded, "vlguard_requests_quarantined_total")
     for _ in range(2):
         poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
-        core, carried = engine_core(guarded), carried_over(guarded)  # before the requests: 512 tokens take ~2.5 s
+        core, carried = engine_core(guarded), carried_over(guarded)  # read before the requests are sent
         # Two non-streaming requests first, then two identical streams, killed once both streams have tokens
         # (512 tokens each take ~2.5 s here: the streams, at least, are still decoding; the non-streaming
         # two sometimes finished first). (Waiting on the in-flight gauge instead raced: identical requests
