@@ -237,6 +237,13 @@ def strip_client_uuids(body: dict[str, Any]) -> int:
     return dropped
 
 
+def url_scheme(url: str) -> str:
+    """``url``'s scheme in lower case ("" without one); ``url`` is not copied (a ``data:`` URL is up to
+    the body's size)."""
+    colon = url.find(":", 0, 16)  # no scheme vLLM or vlguard serves is longer
+    return url[:colon].lower() if colon >= 0 else ""
+
+
 def _data_uri_payload(where: str, url: str, limits: MediaLimits) -> tuple[str, int]:
     """A ``data:`` URI's MIME type and where its base64 payload starts, its form and size checked (nothing
     decoded, nothing copied: a payload is up to the body's size)."""
@@ -397,7 +404,7 @@ def check_media(
     for part in media_parts(body):
         where, kind, url = part.where, part.kind, part.url
         count += 1
-        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        scheme = url_scheme(url)
         if scheme == "data" and part.is_image:  # its header, checksums and pixels: where vLLM loads it
             _data_uri_payload(where, url, limits)
         elif scheme == "data":

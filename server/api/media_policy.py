@@ -36,7 +36,15 @@ from typing import Any
 import pybase64
 
 from server.api.decode_pool import DecodePool
-from server.api.media import ImageHeader, MediaError, MediaLimits, base64_error, check_image_bytes, normalized_image
+from server.api.media import (
+    ImageHeader,
+    MediaError,
+    MediaLimits,
+    base64_error,
+    check_image_bytes,
+    normalized_image,
+    url_scheme,
+)
 from server.api.remote_media import RemotePolicy, fetch_bytes
 from server.guard.clients import current_client
 from server.settings import GuardSettings
@@ -99,14 +107,15 @@ class MediaPolicy:
             MediaError: remote media off (or not an image), ``file:`` without a local media path, or any
                 other scheme.
         """
-        if url != url.strip():
+        if url[:1].isspace() or url[-1:].isspace():
             raise _refuse(f"{modality}: URL has surrounding whitespace")
-        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        scheme = url_scheme(url)  # nothing here copies the URL: a data URL is up to the body's size
         if scheme == "data":
-            head, _, payload = url.partition(",")
-            if not head.lower().endswith(";base64"):
+            comma = url.find(",")
+            if comma < 0 or not url[:comma].lower().endswith(";base64"):
                 raise _refuse(f"{modality}: a data URL must be data:<type>;base64,<data>")
-            if "#" in payload or "?" in payload:  # base64 has neither: vLLM's URL parser would drop the rest
+            # base64 has neither: vLLM's URL parser would drop the rest
+            if url.find("#", comma) >= 0 or url.find("?", comma) >= 0:
                 raise _refuse(f"{modality}: a data URL's data must be base64 only (it holds '#' or '?')")
         if scheme in ("http", "https"):
             if not self.limits.remote_media:

@@ -74,27 +74,49 @@ def _refuse(message: str, reason: str = "poison") -> MediaError:
     return MediaError(HTTPStatus.BAD_REQUEST, message, reason=reason)
 
 
-def prompt_extent(body: dict[str, Any]) -> tuple[int, int]:
-    """``(characters, token ids)`` of prompt in ``body``: the characters of the strings under
-    :data:`TEXT_KEYS`, and the length of the longest list of token ids there (a completions ``prompt``, or
-    one of a batch), at any depth (iterative: a deep body cannot exhaust the stack)."""
-    chars = longest = 0
+@dataclass(frozen=True, slots=True)
+class BodyWalk:
+    """What one walk of a parsed JSON body finds (:func:`walk`).
+
+    Attributes:
+        objects: JSON objects (dicts) at any depth.
+        prompt_chars: characters of the strings under :data:`TEXT_KEYS`.
+        prompt_ids: the length of the longest list of token ids there (a completions ``prompt``, or one of
+            a batch).
+        non_finite: a float that is not finite is somewhere (a literal such as ``1e999`` parses as one).
+    """
+
+    objects: int
+    prompt_chars: int
+    prompt_ids: int
+    non_finite: bool
+
+
+def walk(body: Any) -> BodyWalk:
+    """Walk a parsed JSON body once for every bound the door reads from the whole of it (iterative: a deep
+    body cannot exhaust the stack; O(values), which the door bounds before parsing)."""
+    objects = chars = longest = 0
+    non_finite = False
     stack: list[tuple[Any, bool]] = [(body, False)]
     while stack:
         value, is_text = stack.pop()
-        if isinstance(value, str):
+        kind = type(value)  # a parsed body holds exactly these types
+        if kind is str:
             chars += len(value) if is_text else 0
-        elif isinstance(value, dict):
+        elif kind is dict:
+            objects += 1
             stack += [(item, key in TEXT_KEYS) for key, item in value.items()]
-        elif isinstance(value, list):
+        elif kind is list:
             if is_text and value and all(type(item) is int for item in value):
                 longest = max(longest, len(value))
             else:
                 stack += [(item, is_text) for item in value]
-    return chars, longest
+        elif kind is float and not math.isfinite(value):
+            non_finite = True
+    return BodyWalk(objects, chars, longest, non_finite)
 
 
-def check_prompt_length(body: dict[str, Any], rules: PoisonRules | None) -> None:
+def check_prompt_length(walked: BodyWalk, rules: PoisonRules | None) -> None:
     """Refuse a prompt that cannot fit the model's context, before anything tokenizes or validates it: text
     longer than :attr:`PoisonRules.max_prompt_chars`, or a prompt of more token ids than ``max_model_len``
     (990,000 ids to ``/v1/completions`` held the event loop 133 ms in vLLM's validation before its 400).
@@ -104,7 +126,7 @@ def check_prompt_length(body: dict[str, Any], rules: PoisonRules | None) -> None
     """
     if rules is None:
         return
-    chars, ids = prompt_extent(body)
+    chars, ids = walked.prompt_chars, walked.prompt_ids
     if rules.max_prompt_chars is not None and chars > rules.max_prompt_chars:
         raise _refuse(
             f"prompt text of {chars} characters cannot fit the model's context (at most {rules.max_prompt_chars} "
@@ -186,9 +208,13 @@ def _non_finite(value: Any, where: str) -> Iterator[str]:
             yield from _non_finite(item, f"{where}[{i}]")
 
 
-def check_numbers(body: dict[str, Any]) -> None:
+def check_numbers(body: dict[str, Any], walked: BodyWalk | None = None) -> None:
     """Raises:
-    MediaError: 400 naming the first ``NaN``/``Infinity`` in the body."""
+    MediaError: 400 naming the first ``NaN``/``Infinity`` in the body (the body's parser refuses their
+        literals; a float literal too large for a double, ``1e400``, parses as one). ``walked``: the body's
+        :func:`walk`, when the caller has it (the body is walked here only when it holds one)."""
+    if not (walked or walk(body)).non_finite:
+        return
     for where in _non_finite(body, ""):
         raise _refuse(f"{where}: must be a finite number (NaN and Infinity are not accepted)")
 
@@ -298,12 +324,15 @@ def check_placeholders(body: dict[str, Any], placeholders: tuple[str, ...]) -> N
                 )
 
 
-def check_known_poison(body: dict[str, Any], rules: PoisonRules | None) -> dict[str, Any] | None:
+def check_known_poison(
+    body: dict[str, Any], rules: PoisonRules | None, walked: BodyWalk | None = None
+) -> dict[str, Any] | None:
     """Apply every rule that needs no engine (see the module docstring).
 
     Arguments:
         body: the parsed JSON body (a dict).
         rules: the served model's facts; None before the engine is up (then only the model-free rules).
+        walked: the body's :func:`walk`, when the caller has it.
 
     Returns:
         The request's structured-output constraint (for :func:`check_constraint`), or None.
@@ -311,7 +340,7 @@ def check_known_poison(body: dict[str, Any], rules: PoisonRules | None) -> dict[
     Raises:
         MediaError: 400 (``reason="poison"``) naming the refused field.
     """
-    check_numbers(body)
+    check_numbers(body, walked)
     constraint = constraint_of(body)
     if rules is not None:
         check_token_ids(body, rules.vocab_size)

@@ -22,6 +22,9 @@ from server.guard.errors import EngineUnavailableError
 from server.guard.quarantine import Fingerprint
 from server.metrics import definitions as m
 
+#: The block of a request not on probation: nothing to wait for or release (reusable).
+_FREE: contextlib.nullcontext[None] = contextlib.nullcontext()
+
 
 class InflightLedger:
     """Requests inside an engine, by request id.
@@ -81,25 +84,29 @@ class InflightLedger:
                 self._empty.set()
             m.REQUESTS_INFLIGHT.set(len(self._requests))
 
-    async def door(self) -> None:
-        """Wait while a suspect is isolated (non-suspects call this before entering an engine); at most
-        twice ``drain_timeout_s`` per suspect."""
-        await self._door.wait()
-
     def suspect_progressed(self) -> None:
         """The isolated suspect produced output: its first step passed, others may join it."""
         self._door.set()
 
-    @contextlib.asynccontextmanager
-    async def probation(self, suspect: bool) -> AsyncIterator[None]:
-        """Isolate the block when ``suspect`` (see the module docstring); a no-op otherwise.
+    def probation(self, suspect: bool) -> contextlib.AbstractAsyncContextManager[None]:
+        """Enter the block under probation's rules (see the module docstring): isolated when ``suspect``;
+        otherwise at once, or, while a suspect is isolated, once it lets others in (at most twice
+        ``drain_timeout_s`` per suspect). Nothing is awaited when no suspect is isolated.
 
         Raises:
             EngineUnavailableError: the probation slot did not free up within ``hold_timeout_s``.
         """
-        if not suspect:
-            yield
-            return
+        if suspect:
+            return self._isolated()
+        return _FREE if self._door.is_set() else self._after_door()
+
+    @contextlib.asynccontextmanager
+    async def _after_door(self) -> AsyncIterator[None]:
+        await self._door.wait()
+        yield
+
+    @contextlib.asynccontextmanager
+    async def _isolated(self) -> AsyncIterator[None]:
         try:
             await asyncio.wait_for(self._probation.acquire(), self.hold_timeout_s)
         except TimeoutError:

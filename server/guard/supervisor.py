@@ -171,15 +171,14 @@ class Supervisor:
     async def attempt(self, request_id: str, fp: Fingerprint, evidence: Evidence) -> AsyncIterator[Attempt | None]:
         """See :meth:`server.guard.port.EnginePort.attempt`. The death of the attempt's engine is reported
         while the request is still on the ledger: it was in flight."""
+        engine, generation = self.current_engine(), self.generation  # READY: nothing to await (the common case)
         try:
-            engine, generation = await self.acquire()
+            engine, generation = (engine, generation) if engine is not None else await self.acquire()
         except EngineUnavailableError as exc:
             m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
             raise
         suspect = self.faults.is_suspect(fp)
-        if not suspect:
-            await self.inflight.door()  # a suspect is isolated: wait until its first step passed
-        async with self.inflight.probation(suspect):
+        async with self.inflight.probation(suspect):  # others wait while a suspect is isolated
             if generation != self.generation:  # the engine died while this request waited
                 yield None
                 return

@@ -168,3 +168,23 @@ def test_integers_are_counted_at_any_depth_booleans_and_floats_not() -> None:
     for _ in range(50_000):
         deep = [deep]
     assert integers(deep) == 1
+
+
+def test_one_walk_finds_objects_prompt_extent_and_non_finite_numbers() -> None:
+    from server.api.poison import BodyWalk, walk
+
+    body = json.loads(
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "image_url",'
+        ' "image_url": {"url": "data:image/png;base64,AAAA"}}]}, {"role": "system", "content": "hello"}],'
+        ' "prompt": [[1, 2, 3], [4, 5]], "temperature": 0.5, "logit_bias": {"7": 1e400}}'
+    )
+    # objects: the body, two messages, two parts, the image_url, logit_bias; text under TEXT_KEYS only
+    assert walk(body) == BodyWalk(objects=7, prompt_chars=3 + 5, prompt_ids=3, non_finite=True)
+    assert walk(chat(temperature=1e308)).non_finite is False
+    with pytest.raises(MediaError, match=r"^logit_bias\.7: must be a finite number"):
+        check_known_poison(body, None, walk(body))  # the door hands its walk in
+    assert check_known_poison(chat(), None, walk(chat())) is None
+    deep: list[object] = [1.5]
+    for _ in range(50_000):
+        deep = [deep]
+    assert walk(deep) == BodyWalk(0, 0, 0, False)  # iterative: no recursion limit
