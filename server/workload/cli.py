@@ -355,7 +355,8 @@ def _front_main(opts: compare.CompareOptions, stem: Path) -> int:
         "cpu_ms": result.cpu_ms, "failed": result.failed, "own_ms": result.own_ms, "own_cpu_ms": result.own_cpu_ms,
         "ratio": result.ratio("vlguard", "stock-a"), "aa_ratio": result.ratio("stock-b", "stock-a"),
         "added_ms": result.added_ms("vlguard", "stock-a"), "aa_added_ms": result.added_ms("stock-b", "stock-a"),
-        "rps": result.rps, "rps_ratio": result.ratio("vlguard", "stock-a", of="rps"),
+        "api_servers": result.api_servers, "rps": result.rps,
+        "rps_ratio": result.ratio("vlguard", "stock-a", of="rps"),
         "aa_rps_ratio": result.ratio("stock-b", "stock-a", of="rps"),
     }  # fmt: skip
     print("wrote", _write_json(stem.with_suffix(".json"), payload))

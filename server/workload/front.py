@@ -7,7 +7,10 @@ each system is only its API process: stock's app (vLLM's ``build_app`` + ``init_
 (``create_app``, guard and door included) each serve from a process of its own, over uvicorn on loopback,
 with vLLM's real serving layer, tokenizer, chat template and image processor, over a :class:`NullEngine`
 in place of the engine core (it answers ``max_tokens`` tokens at once, computing nothing). Three
-processes run side by side: ``stock-a``, ``stock-b`` (the A/A pair: the resolution) and ``vlguard``.
+systems run side by side: ``stock-a``, ``stock-b`` (the A/A pair: the resolution) and ``vlguard``, each
+as one API process, or with ``--api-server-count N`` in the serve flags as N processes sharing one
+listening socket (as ``vllm serve --api-server-count N`` runs its API servers; a system's CPU is then all
+of its processes').
 
 Each round sends the same block of two-pass pairs (images included, half the requests streamed) to each
 process in turn, in an order that rotates every round, and reads the process's CPU time (user + system,
@@ -27,8 +30,10 @@ import argparse
 import asyncio
 import math
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import asynccontextmanager
@@ -41,7 +46,6 @@ import numpy as np
 import psutil
 
 from server.workload import generator, phase_trace, report
-from server.workload.servers import free_port
 
 SYSTEMS = ("stock-a", "vlguard", "stock-b")
 #: Blocks of pairs sent to vlguard, traced, after the rounds (their CPU is not counted)
@@ -163,9 +167,10 @@ def _vlguard_app(args: Any, settings: Any, engine: NullEngine) -> Any:
     return create_app(args, settings, Supervisor(lambda: engine, settings))
 
 
-def serve(system: str, model: str, port: int, flags: list[str]) -> None:
-    """Serve ``system`` (``stock*`` or ``vlguard``) on 127.0.0.1:``port`` until killed; phase-traced into
-    ``$VLGUARD_PHASE_TRACE`` when set."""
+def serve(system: str, model: str, fd: int, ready: Path, flags: list[str]) -> None:
+    """Serve ``system`` (``stock*`` or ``vlguard``) on the listening socket ``fd`` (inherited, shared by the
+    system's API processes as vLLM's are) until killed; ``ready`` is created once it serves. Phase-traced
+    into ``$VLGUARD_PHASE_TRACE`` when set."""
     import uvicorn
 
     guard = system == "vlguard"
@@ -175,7 +180,30 @@ def serve(system: str, model: str, port: int, flags: list[str]) -> None:
         phase_trace.install(trace, guard=guard)  # vlguard's door and engine client too
         phase_trace.trace_engine_client(NullEngine)
     # The same HTTP server settings for both: no access log (its cost would only blur the comparison).
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+
+    def mark_ready() -> None:  # uvicorn says it serves only in a log line, and the log is at warning
+        while not server.started:
+            time.sleep(0.1)
+        ready.touch()
+
+    threading.Thread(target=mark_ready, daemon=True).start()
+    server.run(sockets=[socket.socket(fileno=fd)])
+
+
+def api_server_count(flags: list[str]) -> tuple[int, list[str]]:
+    """``--api-server-count N`` (``-asc N``, as ``vllm serve`` spells it; 1 when absent) taken out of the
+    serve flags: the scenario starts N API processes of each system itself.
+
+    Raises:
+        ValueError: N below 1.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1)
+    known, rest = parser.parse_known_args(flags)
+    if known.api_server_count < 1:
+        raise ValueError(f"--api-server-count {known.api_server_count}: at least 1")
+    return known.api_server_count, rest
 
 
 @dataclass
@@ -188,6 +216,7 @@ class FrontResult:
     own_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     own_cpu_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     rps: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    api_servers: int = 1  # API processes per system
 
     def ratio(self, a: str, b: str, of: str = "cpu_ms") -> tuple[float, tuple[float, float]]:
         """The geometric mean of ``a``/``b`` over the rounds, and its 90 % t interval (``of``: ``cpu_ms``,
@@ -219,31 +248,27 @@ def run(
     concurrency: int = 4,
     progress: bool = False,
 ) -> FrontResult:
-    """Start the three systems, send ``warmup`` + ``rounds`` blocks of ``pairs`` pairs to each in rotating
-    order, and measure their CPU per request. Writes each process's log (and vlguard's trace) to ``out``."""
+    """Start the three systems (``--api-server-count N`` in ``flags``: N API processes each, on one socket),
+    send ``warmup`` + ``rounds`` blocks of ``pairs`` pairs to each in rotating order, and measure their CPU
+    per request (all of a system's processes). Writes each process's log and trace to ``out``.
+
+    Raises:
+        ValueError: ``--api-server-count`` below 1.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    count, flags = api_server_count(flags)
+    procs: dict[str, list[subprocess.Popen[bytes]]] = {}
     urls: dict[str, str] = {}
-    trace = out / "compare-front-vlguard-trace.jsonl"
     try:
         for system in SYSTEMS:
-            port = free_port()
-            env = {**os.environ, "VLLM_PLUGINS": ""}  # neither loads vlguard's engine plugins: no engine here
-            # Every process carries the tracer's wrappers (vlguard's own points too in vlguard's), so that
-            # the untraced rounds pay the same for them; only the traced blocks write a trace.
-            env[phase_trace.ENV] = str(out / f"compare-front-{system}-trace.jsonl")
-            Path(env[phase_trace.ENV]).write_bytes(b"")
-            log = (out / f"compare-front-{system}.log").open("wb")
-            argv = [sys.executable, "-m", "server.workload.front", "serve", system, model, str(port), "--", *flags]
-            procs[system] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            urls[system] = f"http://127.0.0.1:{port}"
+            urls[system], procs[system] = _start(system, model, flags, out, count)
         for system, url in urls.items():
-            _wait_ready(url, procs[system], out / f"compare-front-{system}.log")
+            _wait_ready(url, procs[system], out, system)
         plan = generator.TwoPassPlan(workload)
         result = FrontResult({s: [] for s in SYSTEMS}, {s: 0 for s in SYSTEMS}, {s: [] for s in SYSTEMS})
         for r in range(warmup + rounds):
             for system in report.rotation(SYSTEMS, r):
-                before = _process_cpu_s(procs[system].pid)
+                before = sum(_process_cpu_s(proc.pid) for proc in procs[system])
                 done = asyncio.run(
                     generator.run(
                         urls[system],
@@ -255,7 +280,7 @@ def run(
                         progress=progress,
                     )
                 )
-                used = _process_cpu_s(procs[system].pid) - before
+                used = sum(_process_cpu_s(proc.pid) for proc in procs[system]) - before
                 if r >= warmup:
                     result.cpu_ms[system].append(1000.0 * used / max(1, len(done.records)))
                     result.rps[system].append(sum(rec.ok for rec in done.records) / max(done.wall_s, 1e-9))
@@ -276,28 +301,61 @@ def run(
             )
         )
         result.failed["vlguard"] += sum(not rec.ok for rec in traced.records)
-        phases = report.trace_phases_ms(traced.records, phase_trace.read(trace))
+        traces = [_file(out, "vlguard", i, count, "-trace.jsonl") for i in range(count)]  # a request is one process's
+        events = {rid: points for path in traces for rid, points in phase_trace.read(path).items()}
+        phases = report.trace_phases_ms(traced.records, events)
         result.own_ms = {name: phases[name] for name in report.GUARD_OWN_PHASES if name in phases}
-        result.own_cpu_ms = report.own_cpu_ms(traced.records, phase_trace.read_cpu(trace))
+        cpu = {rid: points for path in traces for rid, points in phase_trace.read_cpu(path).items()}
+        result.own_cpu_ms = report.own_cpu_ms(traced.records, cpu)
+        result.api_servers = count
         return result
     finally:
-        for proc in procs.values():
+        for proc in (proc for started in procs.values() for proc in started):
             proc.kill()
             proc.wait(30)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300) -> None:
+def _file(out: Path, system: str, index: int, count: int, suffix: str) -> Path:
+    """API process ``index`` of ``system``'s file ``suffix`` (``-trace.jsonl``, ``.log``; no index for one)."""
+    return out / f"compare-front-{system}{'' if count == 1 else f'-{index}'}{suffix}"
+
+
+def _start(
+    system: str, model: str, flags: list[str], out: Path, count: int
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """``count`` API processes of ``system`` on one listening socket on loopback: its URL and the processes."""
+    with socket.create_server(("127.0.0.1", 0), backlog=1024) as listener:
+        fd, port = listener.fileno(), listener.getsockname()[1]
+        started = []
+        for i in range(count):
+            env = {**os.environ, "VLLM_PLUGINS": ""}  # neither loads vlguard's engine plugins: no engine here
+            # Every process carries the tracer's wrappers (vlguard's own points too in vlguard's), so that
+            # the untraced rounds pay the same for them; only the traced blocks write a trace.
+            env[phase_trace.ENV] = str(_file(out, system, i, count, "-trace.jsonl"))
+            Path(env[phase_trace.ENV]).write_bytes(b"")
+            ready = out / f"compare-front-{system}-{i}.ready"
+            ready.unlink(missing_ok=True)
+            log = _file(out, system, i, count, ".log").open("wb")
+            argv = [sys.executable, "-m", "server.workload.front", "serve", system, model, str(fd), str(ready),
+                    "--", *flags]  # fmt: skip
+            started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(fd,)))
+    return f"http://127.0.0.1:{port}", started
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], out: Path, system: str, timeout_s: float = 300) -> None:
+    """Wait until every one of ``system``'s processes serves (its ready file) and ``url`` answers."""
     deadline = time.monotonic() + timeout_s
+    marks = [out / f"compare-front-{system}-{i}.ready" for i in range(len(procs))]
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if failed := [proc for proc in procs if proc.poll() is not None]:
+            raise RuntimeError(f"{system} ({url}): a process exited with {failed[0].returncode}; logs in {out}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if all(mark.exists() for mark in marks) and httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{system} ({url}) not ready after {timeout_s:g} s; logs in {out}")
 
 
 def summary_lines(result: FrontResult) -> list[str]:
@@ -312,8 +370,10 @@ def summary_lines(result: FrontResult) -> list[str]:
         added, (dlow, dhigh) = result.added_ms(a, b)
         lines.append(f"{what:18} CPU per request ratio {ratio:.3f} (90 % interval {low:.3f}-{high:.3f}); "
                      f"added {added:+.2f} ms ({dlow:+.2f} to {dhigh:+.2f})")  # fmt: skip
+    each = f" ({result.api_servers} API processes)" if result.api_servers > 1 else ""
     for system in SYSTEMS:
-        lines.append(f"{system:8} front throughput: median {np.median(result.rps[system]):.1f} requests/s a block")
+        rps = np.median(result.rps[system])
+        lines.append(f"{system:8} front throughput{each}: median {rps:.1f} requests/s a block")
     for a, b, what in (("vlguard", "stock-a", "vlguard/stock"), ("stock-b", "stock-a", "A/A (stock/stock)")):
         ratio, (low, high) = result.ratio(a, b, of="rps")
         lines.append(f"{what:18} throughput ratio {ratio:.3f} (90 % interval {low:.3f}-{high:.3f})")
@@ -327,16 +387,17 @@ def summary_lines(result: FrontResult) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m server.workload.front serve SYSTEM MODEL PORT -- FLAGS``: one system's process."""
+    """``python -m server.workload.front serve SYSTEM MODEL FD READY -- FLAGS``: one API process of a system."""
     parser = argparse.ArgumentParser(prog="python -m server.workload.front")
     sub = parser.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve")
     srv.add_argument("system", choices=SYSTEMS)
     srv.add_argument("model")
-    srv.add_argument("port", type=int)
+    srv.add_argument("fd", type=int, help="the listening socket, inherited")
+    srv.add_argument("ready", type=Path, help="created once the process serves")
     srv.add_argument("flags", nargs="*")
     args = parser.parse_args(argv)
-    serve(args.system, args.model, args.port, args.flags)
+    serve(args.system, args.model, args.fd, args.ready, args.flags)
     return 0
 
 

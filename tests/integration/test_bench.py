@@ -109,15 +109,20 @@ def test_compare_runs_vlguard_and_stock_side_by_side_and_prints_ratios(tiny_mode
 
 
 def test_front_scenario_measures_both_apps_and_vlguards_own_code(tiny_model: Path, tmp_path: Path) -> None:
-    """``--scenario front`` (no engine core: three API processes over the null engine): every request
-    served by each, the ratios finite, and vlguard's own code found in its phase trace (door, engine
-    client), which a change to how the front process is assembled once left silently empty."""
+    """``--scenario front`` (no engine core: the API processes over the null engine), with
+    ``--api-server-count 2`` as ``vllm serve`` takes it: two processes per system on one socket, every
+    request served, the ratios finite, and vlguard's own code found in its processes' phase traces (door,
+    engine client), which a change to how the front process is assembled once left silently empty."""
     proc = _bench("compare", str(tiny_model), "--scenario", "front", "--rounds", "2", "--warmup", "0",
-                  "--pairs", "2", "--concurrency", "2", "--out", str(tmp_path), "--no-progress",
-                  "--", "--config", str(TINY_PROFILE), timeout_s=600)  # fmt: skip
+                  "--pairs", "3", "--concurrency", "2", "--out", str(tmp_path), "--no-progress",
+                  "--", "--config", str(TINY_PROFILE), "--api-server-count", "2", timeout_s=600)  # fmt: skip
     assert "vlguard/stock" in proc.stdout and "own code" in proc.stdout, proc.stdout[-2000:]
     data = json.loads((tmp_path / "compare-front.json").read_text())
     assert set(data["failed"].values()) == {0}, data["failed"]
+    assert data["api_servers"] == 2 and "front throughput (2 API processes)" in proc.stdout
+    # The traced blocks (24 requests, two at a time) reached both of vlguard's processes
+    served = [(tmp_path / f"compare-front-vlguard-{i}-trace.jsonl").read_text().count("\n") for i in (0, 1)]
+    assert min(served) > 0, served
     ratio, (low, high) = data["ratio"]
     assert 0 < low <= ratio <= high and math.isfinite(high), data["ratio"]
     rps, (low, high) = data["rps_ratio"]

@@ -312,6 +312,20 @@ def test_front_ratio_and_added_cpu_come_from_paired_rounds() -> None:
     assert result.ratio("vlguard", "stock-a", of="rps")[0] == pytest.approx(0.9)
 
 
+def test_front_takes_the_api_server_count_out_of_the_serve_flags() -> None:
+    """The front scenario starts N API processes per system itself (``vlguard serve`` refuses N > 1)."""
+    from server.workload.front import api_server_count
+
+    flags = ["--config", "c.yaml", "--api-server-count", "2", "--port", "1"]
+    assert api_server_count(flags) == (2, ["--config", "c.yaml", "--port", "1"])
+    assert api_server_count(["-asc", "3"]) == (3, [])
+    assert api_server_count(["--api-server-count=4", "--max-num-seqs", "8"]) == (4, ["--max-num-seqs", "8"])
+    assert api_server_count(["--config", "c.yaml"]) == (1, ["--config", "c.yaml"])
+    assert api_server_count(["--api-server"]) == (1, ["--api-server"])  # no abbreviations taken
+    with pytest.raises(ValueError, match="at least 1"):
+        api_server_count(["--api-server-count", "0"])
+
+
 def test_engine_step_cost_is_per_step_and_paired_by_round(plan: TwoPassPlan) -> None:
     from server.workload.engine_step import EngineStepResult, _hf_messages
 
