@@ -26,7 +26,7 @@ from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
 from server.api.media_policy import MediaPolicy
 from server.api.model_facts import poison_rules
-from server.api.stock_app import StockApp, build_stock_app, route_lines
+from server.api.stock_app import StockApp, ToStockApp, build_stock_app, route_lines
 from server.api.transport import TransportMiddleware
 from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
@@ -179,7 +179,10 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     app.include_router(admin_router)
     # Starlette puts each added middleware in front: on the way in, the transport (repeated headers, the API
     # key of a body request), CORS (as vllm serve), input guard (limits, media), admission (engine ready); then
-    # vlguard's routes, else vLLM's app with its own middleware (the API key on /v1, request ids, --middleware).
+    # vlguard's routes, else vLLM's app with its own middleware (the API key on /v1, request ids, --middleware),
+    # reached directly (ToStockApp) for a path none of vlguard's routes has.
+    own_paths = [route.path for route in (*health_router.routes, *admin_router.routes) if hasattr(route, "path")]
+    app.add_middleware(ToStockApp, stock=stock, paths=own_paths)  # vLLM's routes: past the shell's router
     app.add_middleware(AdmissionMiddleware, supervisor=supervisor, keys=len(_api_keys(args)))
     app.add_middleware(
         InputGuardMiddleware,

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.api.admission import route_path
 from server.api.errors import cut_long_messages, install_error_handlers, quiet_client_errors, unavailable_response
 from server.api.request_fixes import install_completion_fixes
 from server.api.routes import flat_routes
@@ -46,6 +47,34 @@ class StockApp:
             await unavailable_response(RuntimeError("the engine is starting"))(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1013})
+
+
+class ToStockApp:
+    """The innermost layer of vlguard's shell (after the door and admission): a request for none of the
+    shell's own routes goes straight to vLLM's app, past the shell's exception layer, exit stack and
+    router, which it would only fall through to the same app (~0.1 ms a request here). A path that may be
+    the shell's still takes the shell's router (which falls back to vLLM's app).
+
+    Arguments:
+        app: the rest of the shell (its exception layer, router and routes); lifespan events go there.
+        stock: vLLM's app (:class:`StockApp`).
+        paths: the shell's route paths (``/health``, ``/admin/quarantine/{fingerprint}``); a path with
+            parameters stands for every path that starts with its part before the first ``{``.
+    """
+
+    def __init__(self, app: ASGIApp, stock: ASGIApp, paths: list[str]) -> None:
+        self.app, self.stock = app, stock
+        self.exact = frozenset(p for p in paths if "{" not in p)
+        self.prefixes = tuple(p[: p.index("{")] for p in paths if "{" in p)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not self._shells(route_path(scope)):
+            await self.stock(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    def _shells(self, path: str) -> bool:
+        return path in self.exact or path.startswith(self.prefixes) or path.rstrip("/") in self.exact
 
 
 async def build_stock_app(args: argparse.Namespace, client: Any, tasks: tuple[str, ...]) -> FastAPI:

@@ -158,3 +158,36 @@ async def test_every_route_without_inputs_bounds_its_token_ids_values_and_object
     assert "/detokenize" in tried
     ok = await api.client.post("/detokenize", json={"model": api.model, "tokens": [1] * bound})
     assert ok.status_code == 200, ok.text[:300]
+
+
+async def test_vllms_routes_skip_the_shells_router_and_vlguards_own_do_not(api: Api) -> None:
+    """A request for none of vlguard's routes goes from the door to vLLM's app directly (ToStockApp), past
+    the shell's exception layer, exit stack and router it would only fall through; a path that may be
+    vlguard's own still meets the shell's router."""
+    from server.api.stock_app import ToStockApp
+
+    assert (await api.client.get("/health")).status_code == 200  # the middleware stack is built now
+    layer = api.app.middleware_stack
+    while not isinstance(layer, ToStockApp):
+        layer = layer.app
+    to_shell: list[str] = []
+    shell = layer.app
+
+    async def spy(scope: Any, receive: Any, send: Any) -> None:
+        to_shell.append(scope["path"])
+        await shell(scope, receive, send)
+
+    layer.app = spy
+    try:
+        models = await api.client.get("/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == api.model
+        assert (await api.client.get("/no/such/route")).status_code == 404  # vLLM's app's 404, as before
+        assert to_shell == []
+        for path in ("/health", "/ready", "/version", "/metrics", "/admin/quarantine", "/admin/quarantine/ab12"):
+            await api.client.get(path)
+        await api.client.get("/health/", follow_redirects=False)  # the shell's router: its slash redirect
+        assert to_shell == [
+            "/health", "/ready", "/version", "/metrics", "/admin/quarantine", "/admin/quarantine/ab12", "/health/"
+        ]  # fmt: skip
+    finally:
+        layer.app = shell
