@@ -359,7 +359,7 @@ class InputGuardMiddleware:
         body = _parse_json(raw)
         if body is _MALFORMED:
             return _Inspected(body, False, None, None)  # vLLM answers malformed JSON with its own 400
-        walked = walk(body)  # the door's one walk of the whole body
+        walked = walk(body, self.max_json_objects)  # the door's one walk of the whole body
         if walked.objects > self.max_json_objects:  # vLLM validates each on the event loop: ~6 us apiece
             message = f"request body holds more than {self.max_json_objects} JSON objects"
             raise MediaError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "body_too_large")

@@ -114,8 +114,8 @@ class MediaPolicy:
             comma = url.find(",")
             if comma < 0 or not url[:comma].lower().endswith(";base64"):
                 raise _refuse(f"{modality}: a data URL must be data:<type>;base64,<data>")
-            # base64 has neither: vLLM's URL parser would drop the rest
-            if url.find("#", comma) >= 0 or url.find("?", comma) >= 0:
+            # a data URL has neither (base64, a media type): vLLM's URL parser would cut the URL there
+            if url.find("#") >= 0 or url.find("?") >= 0:
                 raise _refuse(f"{modality}: a data URL's data must be base64 only (it holds '#' or '?')")
         if scheme in ("http", "https"):
             if not self.limits.remote_media:

@@ -92,9 +92,11 @@ class BodyWalk:
     non_finite: bool
 
 
-def walk(body: Any) -> BodyWalk:
+def walk(body: Any, max_objects: int | None = None) -> BodyWalk:
     """Walk a parsed JSON body once for every bound the door reads from the whole of it (iterative: a deep
-    body cannot exhaust the stack; O(values), which the door bounds before parsing)."""
+    body cannot exhaust the stack; O(values), which the door bounds before parsing). With ``max_objects``,
+    the walk stops at the first object past it (``objects`` is then ``max_objects + 1`` and the rest is
+    not counted: the body is refused for its objects)."""
     objects = chars = longest = 0
     non_finite = False
     stack: list[tuple[Any, bool]] = [(body, False)]
@@ -105,6 +107,8 @@ def walk(body: Any) -> BodyWalk:
             chars += len(value) if is_text else 0
         elif kind is dict:
             objects += 1
+            if max_objects is not None and objects > max_objects:
+                break
             stack += [(item, key in TEXT_KEYS) for key, item in value.items()]
         elif kind is list:
             if is_text and value and all(type(item) is int for item in value):
@@ -197,15 +201,40 @@ def check_sequences(body: dict[str, Any], max_sequences: int) -> None:
         )
 
 
-def _non_finite(value: Any, where: str) -> Iterator[str]:
-    if isinstance(value, float) and not math.isfinite(value):
-        yield where
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _non_finite(item, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from _non_finite(item, f"{where}[{i}]")
+#: How much of a key, and of the whole path, a refusal shows (keys are the client's: one may be the whole
+#: body; a path may be 990 levels deep)
+_KEY_SHOWN, _PATH_SHOWN = 40, 400
+
+
+def _first_non_finite(body: Any) -> str | None:
+    """The path (``logit_bias.5``, ``messages[0].content[1].x``) of the first non-finite float in ``body``
+    in document order, or None. Iterative, and the path is built for that one value only, from the keys
+    and indices on the way to it (each key cut to :data:`_KEY_SHOWN` characters): O(values) however long
+    the keys and however deep the body."""
+    stack: list[tuple[Any, int]] = [(body, -1)]  # (value, its step in ``steps``)
+    steps: list[tuple[int, str]] = []  # (parent step, "key" or "[i]")
+    while stack:
+        value, step = stack.pop()
+        kind = type(value)
+        if kind is float and not math.isfinite(value):
+            parts = []
+            while step >= 0:
+                step, part = steps[step]
+                parts.append(part)
+            path = "".join(reversed(parts)).removeprefix(".")
+            return path if len(path) <= _PATH_SHOWN else "..." + path[-_PATH_SHOWN:]
+        if kind is dict:
+            children = [(f".{key[:_KEY_SHOWN]}{'...' if len(key) > _KEY_SHOWN else ''}", item)
+                        for key, item in value.items()]  # fmt: skip
+        elif kind is list:
+            children = [(f"[{i}]", item) for i, item in enumerate(value)]
+        else:
+            continue
+        for part, item in reversed(children):  # popped in document order
+            if type(item) in (dict, list, float):
+                steps.append((step, part))
+                stack.append((item, len(steps) - 1))
+    return None
 
 
 def check_numbers(body: dict[str, Any], walked: BodyWalk | None = None) -> None:
@@ -215,7 +244,7 @@ def check_numbers(body: dict[str, Any], walked: BodyWalk | None = None) -> None:
         :func:`walk`, when the caller has it (the body is walked here only when it holds one)."""
     if not (walked or walk(body)).non_finite:
         return
-    for where in _non_finite(body, ""):
+    if (where := _first_non_finite(body)) is not None:
         raise _refuse(f"{where}: must be a finite number (NaN and Infinity are not accepted)")
 
 

@@ -315,3 +315,13 @@ async def test_a_body_of_too_many_objects_is_refused_before_vllm_parses_it(api: 
     assert resp.status_code == 413 and "10000 JSON objects" in resp.json()["error"]["message"], resp.text[:300]
     fine = {**many, "messages": [{"role": "user", "content": "hi"}] * 50}
     assert (await api.client.post("/v1/chat/completions", json=fine)).status_code == 200
+
+
+async def test_a_refusal_of_many_bad_items_names_twenty_errors(api: Api) -> None:
+    """vLLM's validation of 300 bad items against its union of Responses input items gives ~60 errors an
+    item: the 400 names 20 and counts the rest (it was a 30 MB message; the validation itself is vLLM's,
+    and stock's, cost: docs/input.md)."""
+    refused = await api.client.post("/v1/responses", json={"model": api.model, "input": [None] * 300})
+    assert refused.status_code == 400 and len(refused.content) < 20_000, len(refused.content)
+    message = refused.json()["error"]["message"]
+    assert message.startswith("input.") and message.endswith("more errors)"), message[-200:]

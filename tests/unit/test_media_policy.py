@@ -50,6 +50,7 @@ def mp4(width: int, height: int, frames: int) -> bytes:
         ("image", "data:image/png;base64,AAAA\n", "whitespace"),
         ("image", "data:image/png;base64", "data:<type>;base64"),  # no comma, no data
         ("image", "DATA:image/png;BASE64,AAAA#", "base64 only"),
+        ("image", "data:image/png#x;base64,AAAA", "base64 only"),  # vLLM's parser: "not enough values to unpack"
         ("image", "data:image/png,AAAA", "data:<type>;base64"),
         ("image", "data:image/png;base64,AAAA#!!!not-base64!!!", "base64 only"),  # vLLM's parser drops a fragment
         ("image", "data:image/png;base64,AAAA?x=%%%", "base64 only"),  # and a query

@@ -188,3 +188,42 @@ def test_one_walk_finds_objects_prompt_extent_and_non_finite_numbers() -> None:
     for _ in range(50_000):
         deep = [deep]
     assert walk(deep) == BodyWalk(0, 0, 0, False)  # iterative: no recursion limit
+
+
+def test_the_walk_stops_at_the_object_bound() -> None:
+    from server.api.poison import walk
+
+    body = {"x": [{} for _ in range(100_000)], "prompt": "abc"}
+    assert walk(body, 10).objects == 11  # it stopped: the body is refused for its objects
+    assert walk(body).objects == 100_001
+
+
+def test_a_bad_numbers_path_is_built_for_it_alone_and_bounded() -> None:
+    """The path names the first non-finite number in document order; it is built for that value only
+    (a path string for every value before it, each holding a client's long key, took seconds and GBs)."""
+    import tracemalloc
+
+    from server.api.poison import walk
+
+    key = "k" * 20_000
+    body = {"model": "m", "vllm_xargs": {key: [0.5] * 5_000 + [1e400]}, "z": [1e400]}
+    tracemalloc.start()
+    with pytest.raises(MediaError) as caught:
+        check_known_poison(body, None, walk(body))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (
+        str(caught.value)
+        == f"vllm_xargs.{'k' * 40}...[5000]: must be a finite number (NaN and Infinity are not accepted)"
+    )
+    assert peak < 5_000_000, peak  # a path per value: 5,000 strings of 20 KB
+    deep: Any = [1e400]
+    for _ in range(900):
+        deep = {"a": deep}
+    with pytest.raises(MediaError) as deeply:
+        check_known_poison({"x": deep}, None)
+    message = str(deeply.value)
+    assert message.startswith("...") and message.endswith(
+        ".a[0]: must be a finite number (NaN and Infinity are not accepted)"
+    )
+    assert len(message) < 500
