@@ -120,9 +120,11 @@ def test_front_scenario_measures_both_apps_and_vlguards_own_code(tiny_model: Pat
     data = json.loads((tmp_path / "compare-front.json").read_text())
     assert set(data["failed"].values()) == {0}, data["failed"]
     assert data["api_servers"] == 2 and "front throughput (2 API processes)" in proc.stdout
-    # The traced blocks (24 requests, two at a time) reached both of vlguard's processes
-    served = [(tmp_path / f"compare-front-vlguard-{i}-trace.jsonl").read_text().count("\n") for i in (0, 1)]
-    assert min(served) > 0, served
+    # Two processes of each system served on the one socket (which of them takes a connection is the
+    # kernel's choice, as for vLLM's API servers: the test's two connections may both reach one)
+    for system in ("stock-a", "vlguard", "stock-b"):
+        assert all((tmp_path / f"compare-front-{system}-{i}.ready").exists() for i in (0, 1)), system
+    assert sum((tmp_path / f"compare-front-vlguard-{i}-trace.jsonl").read_text().count("\n") for i in (0, 1)) > 0
     ratio, (low, high) = data["ratio"]
     assert 0 < low <= ratio <= high and math.isfinite(high), data["ratio"]
     rps, (low, high) = data["rps_ratio"]

@@ -411,8 +411,10 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
             core.send_signal(signal.SIGKILL)
             assert [len(f.result().choices) for f in plain] == [1, 1]  # served: 200
             assert [(len(ids), err) for ids, err in (f.result() for f in streams)] == [(512, None), (512, None)]
-        # requests of the one fingerprint were in flight at each kill (they carry its strikes, if any)
-        assert carried_over(guarded) >= carried + 2
+        # requests of the one fingerprint were in flight at each kill (they carry its strikes, if any): at
+        # least one each time, which is what would quarantine it (the second stream may not have started
+        # before the first finished: CI once carried one, 38 -> 39)
+        assert carried_over(guarded) >= carried + 1
     assert metric(guarded, "vlguard_quarantine_strikes_total") == strikes
     assert metric(guarded, "vlguard_requests_quarantined_total") == refused
 
