@@ -115,7 +115,7 @@ class MediaPolicy:
             if comma < 0 or not url[:comma].lower().endswith(";base64"):
                 raise _refuse(f"{modality}: a data URL must be data:<type>;base64,<data>")
             # a data URL has neither (base64, a media type): vLLM's URL parser would cut the URL there
-            if url.find("#") >= 0 or url.find("?") >= 0:
+            if "#" in url or "?" in url:
                 raise _refuse(f"{modality}: a data URL's data must be base64 only (it holds '#' or '?')")
         if scheme in ("http", "https"):
             if not self.limits.remote_media:

@@ -223,17 +223,16 @@ def _first_non_finite(body: Any) -> str | None:
                 parts.append(part)
             path = "".join(reversed(parts)).removeprefix(".")
             return path if len(path) <= _PATH_SHOWN else "..." + path[-_PATH_SHOWN:]
-        if kind is dict:
-            children = [(f".{key[:_KEY_SHOWN]}{'...' if len(key) > _KEY_SHOWN else ''}", item)
-                        for key, item in value.items()]  # fmt: skip
-        elif kind is list:
-            children = [(f"[{i}]", item) for i, item in enumerate(value)]
-        else:
+        if kind is not dict and kind is not list:
             continue
-        for part, item in reversed(children):  # popped in document order
-            if type(item) in (dict, list, float):
-                steps.append((step, part))
-                stack.append((item, len(steps) - 1))
+        # Only what can hold a bad number is kept and named: a scalar costs no path part
+        kept = [(at, item) for at, item in (value.items() if kind is dict else enumerate(value))
+                if type(item) in (dict, list, float)]  # fmt: skip
+        for at, item in reversed(kept):  # popped in document order
+            steps.append(
+                (step, f"[{at}]" if kind is list else f".{at[:_KEY_SHOWN]}{'...' if len(at) > _KEY_SHOWN else ''}")
+            )
+            stack.append((item, len(steps) - 1))
     return None
 
 

@@ -316,7 +316,8 @@ def run(
 
 
 def _file(out: Path, system: str, index: int, count: int, suffix: str) -> Path:
-    """API process ``index`` of ``system``'s file ``suffix`` (``-trace.jsonl``, ``.log``; no index for one)."""
+    """API process ``index`` of ``system``'s file ``suffix`` (``-trace.jsonl``, ``.log``, ``.ready``; no index
+    for one)."""
     return out / f"compare-front-{system}{'' if count == 1 else f'-{index}'}{suffix}"
 
 
@@ -333,7 +334,7 @@ def _start(
             # the untraced rounds pay the same for them; only the traced blocks write a trace.
             env[phase_trace.ENV] = str(_file(out, system, i, count, "-trace.jsonl"))
             Path(env[phase_trace.ENV]).write_bytes(b"")
-            ready = out / f"compare-front-{system}-{i}.ready"
+            ready = _file(out, system, i, count, ".ready")
             ready.unlink(missing_ok=True)
             log = _file(out, system, i, count, ".log").open("wb")
             argv = [sys.executable, "-m", "server.workload.front", "serve", system, model, str(fd), str(ready),
@@ -345,7 +346,7 @@ def _start(
 def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], out: Path, system: str, timeout_s: float = 300) -> None:
     """Wait until every one of ``system``'s processes serves (its ready file) and ``url`` answers."""
     deadline = time.monotonic() + timeout_s
-    marks = [out / f"compare-front-{system}-{i}.ready" for i in range(len(procs))]
+    marks = [_file(out, system, i, len(procs), ".ready") for i in range(len(procs))]
     while time.monotonic() < deadline:
         if failed := [proc for proc in procs if proc.poll() is not None]:
             raise RuntimeError(f"{system} ({url}): a process exited with {failed[0].returncode}; logs in {out}")
