@@ -65,6 +65,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write("\n")
         return
 
-    from server.serve import run
+    from server.start import run
 
     sys.exit(run(args, settings))

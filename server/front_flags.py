@@ -69,6 +69,18 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
 }  # fmt: skip
 
 
+#: Set to 1 to try ``--api-server-count N`` (N > 1) before every part of it is built (docs/architecture.md,
+#: "Scaling out the API tier": what works and what does not yet).
+PREVIEW_ENV = "VLGUARD_PREVIEW_API_SERVERS"
+
+
+def api_servers_allowed(value: object) -> bool:
+    """Whether ``--api-server-count value`` is honoured: 1 (or unset), or any count under :data:`PREVIEW_ENV`."""
+    import os
+
+    return value in (None, 1) or os.environ.get(PREVIEW_ENV) == "1"
+
+
 def front_end_dests(serve_parser: argparse.ArgumentParser) -> list[str]:
     """The ``dest`` of every front-end flag of ``serve_parser`` (vLLM's serve parser as vlguard builds it):
     every flag but the engine's (``AsyncEngineArgs``), ``--help`` and vlguard's own ``--guard-*``."""
@@ -86,7 +98,7 @@ def refused(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> 
     for dest in front_end_dests(serve_parser):
         kind, why = FRONT_FLAGS.get(dest, (_R, "a front-end flag vlguard does not know yet"))
         value, default = getattr(args, dest, None), serve_parser.get_default(dest)
-        if kind is _R and value != default and not (dest == "api_server_count" and value in (None, 1)):
+        if kind is _R and value != default and not (dest == "api_server_count" and api_servers_allowed(value)):
             lines.append(f"--{dest.replace('_', '-')} {value!r}: {why}")
     return lines
 

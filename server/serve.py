@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -18,16 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from server import front_flags, launcher
+from server import launcher
 from server.alignment import SCHEDULER_CLS
-from server.engine import parent_watch
-from server.engine.protocol import STATE_DIR_ENV, ServeSettings, new_state_dir
+from server.engine.protocol import ServeSettings
 from server.settings import GuardSettings
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from server.guard.forensics import Forensics
+    from server.guard.lifecycle import EngineFactory
+    from server.guard.spare import SpareKeeper
     from server.guard.supervisor import Supervisor
 
 #: Process exit statuses. Anything non-zero makes systemd's ``Restart=on-failure`` fire.
@@ -38,10 +38,13 @@ EXIT_ENGINE_FAILED = 4  # restarts kept failing or the restart budget was spent
 logger = logging.getLogger("server")
 
 
-def _configure_logging() -> None:
+def configure_logging(process: str = "") -> None:
+    """vlguard's log lines: ``LEVEL time [vlguard <process> <logger>] message`` (``process``: which of several
+    processes of one server writes, e.g. ``api 1``)."""
     handler = logging.StreamHandler()
+    where = f"{process} " if process else ""
     handler.setFormatter(
-        logging.Formatter("%(levelname)s %(asctime)s [vlguard %(name)s] %(message)s", "%m-%d %H:%M:%S")
+        logging.Formatter(f"%(levelname)s %(asctime)s [vlguard {where}%(name)s] %(message)s", "%m-%d %H:%M:%S")
     )
     root = logging.getLogger("server")
     root.handlers[:] = [handler]
@@ -243,45 +246,36 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run(args: argparse.Namespace, settings: GuardSettings) -> int:
-    """Serve until SIGINT/SIGTERM.
+def api_server_count(args: argparse.Namespace) -> int:
+    """``--api-server-count`` (1 when unset)."""
+    return int(getattr(args, "api_server_count", None) or 1)
 
-    Returns:
-        The exit status when the server stopped on its own: 3 when the engine never came up, 4 when it
-        could not be restarted, 0 otherwise. A SIGTERM/SIGINT does not return: after the shutdown the
-        process ends by that signal (status 143 / 130), as uvicorn does.
+
+def serve_api(
+    args: argparse.Namespace,
+    settings: GuardSettings,
+    sock: socket.socket,
+    factory: EngineFactory,
+    state_dir: str,
+    spares: SpareKeeper | None = None,
+    reap_children: bool = False,
+    on_supervisor: Callable[[Supervisor], None] | None = None,
+) -> int:
+    """Serve vlguard's app on ``sock`` with a supervisor over the engines ``factory`` builds, until
+    SIGINT/SIGTERM or until the supervisor gives up; the exit status (see :func:`run`).
+
+    Arguments:
+        state_dir: the supervisor's (removed at its shutdown).
+        spares, reap_children: as :class:`~server.guard.supervisor.Supervisor` takes them.
+        on_supervisor: called with the supervisor once it is made, before the app.
     """
     import vllm
-    from vllm.utils.system_utils import set_ulimit
 
     from server.app import create_app
-    from server.guard.spare import SpareKeeper
-    from server.guard.supervisor import Supervisor, build_async_llm
+    from server.guard.supervisor import Supervisor
     from server.http_protocol import http_protocol
     from server.vllm_hooks import missing_hooks
 
-    _configure_logging()
-    differences = ", ".join(front_flags.DIFFERENCES)
-    logger.info("differs from vllm serve on purpose in: %s (--print-config says why)", differences)
-    try:
-        sock = listen_socket(args)
-    except OSError as exc:
-        logger.error("cannot listen on %s: %s", args.uds or f"{args.host or '0.0.0.0'}:{args.port}", exc)
-        return EXIT_STARTUP_FAILED
-    _prepare_vllm_processes(args, settings)
-    set_ulimit()
-
-    # Engine cores record their fatal errors below this (each engine in a directory of its own; the
-    # supervisor removes it at shutdown). Set before vLLM loads its plugins here (building the engine
-    # arguments does), so the recorder is installed in this process too: a forked engine core inherits it
-    # without loading plugins again.
-    state_dir = new_state_dir()
-    os.environ[STATE_DIR_ENV] = state_dir
-    parent_watch.enable_for_children()  # engine processes end when this process is gone, however it ends
-    spares = SpareKeeper() if settings.spare else None
-    # vLLM loads its plugins here; the spare is spawned as soon as a build has its configuration
-    on_config = spares.on_config if spares is not None else None
-    factory = functools.partial(build_async_llm, engine_args(args, settings), on_config=on_config)
     if missing := missing_hooks():  # the plugins ran in this process too: a hook that found nothing
         for target, why in missing.items():
             logger.critical("vlguard cannot hook vLLM %s: %s", target, why)
@@ -290,8 +284,15 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
         shutil.rmtree(state_dir, ignore_errors=True)
         return EXIT_STARTUP_FAILED
     supervisor = Supervisor(
-        factory, settings, state_dir=state_dir, reap_children=True, spares=spares, forensics=forensics(args, settings)
+        factory,
+        settings,
+        state_dir=state_dir,
+        reap_children=reap_children,
+        spares=spares,
+        forensics=forensics(args, settings),
     )
+    if on_supervisor is not None:
+        on_supervisor(supervisor)
     try:
         app = create_app(args, settings, supervisor)
     except ValueError as exc:  # what vlguard cannot honour (a media connector of a plugin's): refused at start
@@ -324,7 +325,7 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
     return _serve(server, sock, supervisor)
 
 
-def _prepare_vllm_processes(args: argparse.Namespace, settings: GuardSettings) -> None:
+def prepare_vllm_processes(args: argparse.Namespace, settings: GuardSettings) -> None:
     """What every vLLM process of this server reads, written before vLLM loads its plugins here (when the
     engine arguments are built); spawned engine processes inherit it: vlguard's plugins allowed, the
     :class:`ServeSettings`, and the replay-safe processor cache (its API half installed here; off, with

@@ -20,7 +20,7 @@ from server.engine.protocol import EngineSettings, engine_dir
 from server.guard import ipc_cache, output_faults, watchdog
 from server.guard.hold import HoldPolicy, RebuildPath
 from server.guard.ipc_cache import EngineCacheShadow
-from server.guard.lifecycle import Engine, EngineFactory, ServingRenderer, in_daemon_thread, teardown
+from server.guard.lifecycle import Engine, EngineFactory, Placement, ServingRenderer, in_daemon_thread, teardown
 from server.guard.spare import SpareKeeper, publish
 from server.settings import GuardSettings
 from server.vllm_hooks import async_llm
@@ -101,6 +101,8 @@ class EngineBuilder:
         self.abandoned_build = False
         #: The path the latest build took (None: the first start).
         self.building_path: RebuildPath | None = None
+        #: generation -> its engine core's record directory, where another process launched it (Placement)
+        self._placed: dict[int, Path] = {}
         if spares is None:
             publish(RebuildPath.COLD)
 
@@ -110,7 +112,7 @@ class EngineBuilder:
 
     def engine_dir(self, generation: int) -> Path:
         """Where engine ``generation``'s engine core writes its records (:mod:`server.engine.protocol`)."""
-        return engine_dir(self.state_dir, generation)
+        return self._placed.get(generation) or engine_dir(self.state_dir, generation)
 
     async def bring_up(self, generation: int, on_step: Callable[[], None]) -> BuiltEngine:
         """Build engine ``generation``, drop its profiling run's images, probe it, and hook it.
@@ -128,6 +130,8 @@ class EngineBuilder:
         s = self.settings
         EngineSettings(str(directory), s.soft_recovery, s.soft_recovery_max, s.restart_window).apply()
         engine = await self._build(rebuild=generation > 1)
+        if (placement := Placement.of(engine)) is not None:  # another process launched it
+            self._placed = {generation: Path(placement.directory)}
         try:
             await engine.reset_mm_cache()  # drop the profiling run's dummy images
             self.renderer.adopt(engine)

@@ -30,6 +30,7 @@ from http import HTTPStatus
 from starlette.types import Scope
 
 from server.guard.errors import GuardError
+from server.guard.peers import Change, Peers, Received
 
 #: The client of the request being served (set at the door, read by the engine client).
 current_client: contextvars.ContextVar[str] = contextvars.ContextVar("vlguard_client", default="")
@@ -112,9 +113,25 @@ class ClientBudget:
         self._clock = clock
         self._faults: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
         self._refused_until: dict[str, float] = {}
+        #: the other API processes of this server, told of each fault (:mod:`server.guard.peers`); None: alone
+        self.peers: Peers | None = None
+        self.received = Received()  # their faults, taken in at the next read
 
     def charge(self, clients: Iterable[str]) -> list[str]:
-        """Count one fault for each client. Returns the clients this made refused."""
+        """Count one fault for each client (peers too). Returns the clients this made refused."""
+        clients = sorted({c for c in clients if c})
+        if self.peers is not None and clients:
+            self.peers.publish(Change("client_faults", tuple(clients)))
+        if self.received:
+            self._take_received()
+        return self._charge(clients)
+
+    def _take_received(self) -> None:
+        for change in self.received.take():
+            if change.kind == "client_faults":
+                self._charge(c for c in change.values if c)
+
+    def _charge(self, clients: Iterable[str]) -> list[str]:
         now, newly = self._clock(), []
         for client in set(clients):
             if not client:
@@ -133,6 +150,8 @@ class ClientBudget:
 
     def refused_for(self, client: str) -> float:
         """Seconds ``client`` stays refused (0: it is served)."""
+        if self.received:
+            self._take_received()
         until = self._refused_until.get(client)
         if until is None:
             return 0.0

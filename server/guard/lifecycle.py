@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from server.guard import watchdog
@@ -22,7 +23,15 @@ from server.vllm_hooks.async_llm import ServingRenderer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineFactory", "ServingRenderer", "build_async_llm", "in_daemon_thread", "teardown"]
+__all__ = [
+    "Engine",
+    "EngineFactory",
+    "Placement",
+    "ServingRenderer",
+    "build_async_llm",
+    "in_daemon_thread",
+    "teardown",
+]
 
 if TYPE_CHECKING:
     import psutil
@@ -32,6 +41,30 @@ if TYPE_CHECKING:
 #: (``generate``, ``abort``, ``errored``, ``reset_mm_cache``, ``shutdown``, ``renderer``).
 Engine = Any
 EngineFactory = Callable[[], Engine]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the engine core of an engine another process launched runs (``--api-server-count N``:
+    :mod:`server.scaleout.remote`): its record directory and its process ids, which a client of vLLM's does not
+    know. Attached to the engine (:meth:`attach`); the builder and the watch read it in place of their own.
+
+    Attributes:
+        directory: where its engine core writes its records (:mod:`server.engine.protocol`).
+        pids: its engine-core process ids.
+    """
+
+    directory: str
+    pids: list[int] = field(default_factory=list)
+
+    def attach(self, engine: Engine) -> None:
+        engine.vlguard_placement = self
+
+    @staticmethod
+    def of(engine: Engine) -> Placement | None:
+        """``engine``'s placement, or None (an engine this process launched)."""
+        found: Placement | None = getattr(engine, "vlguard_placement", None)
+        return found
 
 
 def build_async_llm(engine_args: AsyncEngineArgs, on_config: Callable[[object], None] | None = None) -> Engine:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from server.guard.errors import QuarantinedRequestError
+from server.guard.peers import Change, Peers, Received
 
 __all__ = ["Fingerprint", "Quarantine", "QuarantinedRequestError", "fingerprint"]
 
@@ -121,15 +122,35 @@ class Quarantine:
         self.ttl_s = ttl_s
         self._clock = clock
         self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        #: the other API processes of this server, told of each change (:mod:`server.guard.peers`); None: alone
+        self.peers: Peers | None = None
+        self.received = Received()  # their changes, taken in at the next read
 
     def _expire(self) -> None:
+        if self.received:
+            self._take_received()
         now = self._clock()
         for fp in [fp for fp, (_, at) in self._seen.items() if now - at > self.ttl_s]:
             del self._seen[fp]
 
+    def _take_received(self) -> None:
+        for change in self.received.take():
+            if change.kind == "strikes":
+                self._strike(fp for fp in change.values if fp is not None)
+            elif change.kind == "cleared":
+                for fp in change.values:
+                    self._forget(fp)
+
     def record_death(self, fingerprints: Iterable[str]) -> list[str]:
-        """Count one strike for each fingerprint charged with a fault. Returns those that became quarantined."""
+        """Count one strike for each fingerprint charged with a fault (peers too). Returns those that became
+        quarantined."""
+        fingerprints = sorted(set(fingerprints))
+        if self.peers is not None and fingerprints:
+            self.peers.publish(Change("strikes", tuple(fingerprints)))
         self._expire()
+        return self._strike(fingerprints)
+
+    def _strike(self, fingerprints: Iterable[str]) -> list[str]:
         now, newly = self._clock(), []
         for fp in set(fingerprints):
             count = self._seen.pop(fp, (0, now))[0] + 1
@@ -142,6 +163,8 @@ class Quarantine:
 
     def empty(self) -> bool:
         """Whether no fingerprint has a strike (expired ones may still count until the next read)."""
+        if self.received:
+            self._take_received()
         return not self._seen
 
     def strikes(self, fp: str) -> int:
@@ -168,7 +191,14 @@ class Quarantine:
         return [(fp, count, now - at) for fp, (count, at) in self._seen.items()]
 
     def clear(self, fp: str | None = None) -> int:
-        """Forget ``fp`` (or every fingerprint): it is served again. Returns how many were forgotten."""
+        """Forget ``fp`` (or every fingerprint; peers too): it is served again. Returns how many were forgotten
+        here."""
+        if self.peers is not None:
+            self.peers.publish(Change("cleared", (fp,)))
+        self._expire()
+        return self._forget(fp)
+
+    def _forget(self, fp: str | None) -> int:
         if fp is None:
             n = len(self._seen)
             self._seen.clear()

@@ -97,12 +97,11 @@ RECOVERY_DURATION = Histogram(
     ["kind"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
 )
+# A gauge of what each API process holds is summed over the live ones (``--api-server-count N``).
 REQUESTS_HELD = Gauge(
-    "vlguard_requests_held", "Requests waiting for the engine to become READY.", multiprocess_mode="mostrecent"
+    "vlguard_requests_held", "Requests waiting for the engine to become READY.", multiprocess_mode="livesum"
 )
-REQUESTS_INFLIGHT = Gauge(
-    "vlguard_requests_inflight", "Requests inside the engine now.", multiprocess_mode="mostrecent"
-)
+REQUESTS_INFLIGHT = Gauge("vlguard_requests_inflight", "Requests inside the engine now.", multiprocess_mode="livesum")
 REQUESTS_REPLAYED = Counter(
     "vlguard_requests_replayed", "Requests re-submitted from scratch to a new engine after a death."
 )
@@ -123,7 +122,7 @@ REQUESTS_FAILED = Counter(
 API_TASKS = Gauge(
     "vlguard_api_event_loop_tasks",
     "asyncio tasks alive in the API process (sampled at each scrape); a leak only grows.",
-    multiprocess_mode="mostrecent",
+    multiprocess_mode="livesum",
 )
 REQUESTS_REJECTED = Counter(
     "vlguard_requests_rejected",
@@ -144,7 +143,7 @@ QUARANTINE_STRIKES = Counter(
 BODY_BYTES = Gauge(
     "vlguard_request_body_bytes",
     "Bytes of the request bodies inside the API process now (bounded by --guard-max-body-memory-mb).",
-    multiprocess_mode="mostrecent",
+    multiprocess_mode="livesum",
 )
 BODY_GC_COLLECTIONS = Counter(
     "vlguard_body_gc_collections",
@@ -154,12 +153,12 @@ BODY_GC_COLLECTIONS = Counter(
 DECODE_PIXELS = Gauge(
     "vlguard_decode_pixels",
     "Pixels of the images being normalised now (bounded by --guard-decode-pixels).",
-    multiprocess_mode="mostrecent",
+    multiprocess_mode="livesum",
 )
 DECODE_WAITING = Gauge(
     "vlguard_decode_waiting",
     "Images waiting to be normalised (for their client's turn or the decode pool's pixel budget).",
-    multiprocess_mode="mostrecent",
+    multiprocess_mode="livesum",
 )
 CLIENT_FAULTS = Counter(
     "vlguard_client_faults",
@@ -217,3 +216,32 @@ for _reason in (
     "route",
 ):
     REQUESTS_REJECTED.labels(reason=_reason)
+
+
+class _WrittenElsewhere:
+    """A metric another process of this server writes: what this one would write is dropped."""
+
+    def labels(self, *_: object, **__: object) -> _WrittenElsewhere:
+        return self
+
+    def inc(self, *_: object, **__: object) -> None:
+        return None
+
+    set = dec = observe = inc
+
+
+#: The engine's own metrics: with N API processes (``--api-server-count N``), API process 0 writes them, so
+#: that ``/metrics`` shows one engine (every API process sees each death and each soft recovery).
+ENGINE_METRICS = (
+    "ENGINE_UP", "ENGINE_STATE", "RESTART_BUDGET", "ENGINE_DEATHS", "ENGINE_RESTARTS", "RESTART_DURATION",
+    "ENGINE_RECOVERIES", "RECOVERY_DURATION",
+)  # fmt: skip
+#: The spare engine process's: the process that launches the engine core writes them (the owner, with N).
+SPARE_METRICS = ("SPARE_UP", "REBUILD_PATH", "SPARE_EVENTS")
+
+
+def written_elsewhere(names: tuple[str, ...]) -> None:
+    """Drop this process's writes of the metrics ``names`` (attributes of this module): another process of the
+    server writes them. Call before the metrics are first written."""
+    for name in names:
+        globals()[name] = _WrittenElsewhere()

@@ -27,7 +27,11 @@ Engine = Any
 
 def engine_core_pids(engine: Engine) -> list[int]:
     """PIDs of the engine-core processes of an ``AsyncLLM``
-    (``engine.engine_core.resources.engine_manager.processes``; empty when not found: a fake engine)."""
+    (``engine.engine_core.resources.engine_manager.processes``; those of its
+    :class:`~server.guard.lifecycle.Placement` when another process launched them; empty when not found: a
+    fake engine)."""
+    if (placement := getattr(engine, "vlguard_placement", None)) is not None:
+        return list(placement.pids)
     with contextlib.suppress(AttributeError):
         manager = engine.engine_core.resources.engine_manager
         return [p.pid for p in manager.processes if p.pid is not None]
@@ -133,10 +137,33 @@ class ServingRenderer:
                 own.shutdown()
 
 
+def end_client(engine: Engine) -> None:
+    """Its engine core is gone, and another process launched it: do what vLLM's engine-core monitor does
+    for an engine core its client launched (``MPClient.start_engine_core_monitor``): mark the client's engine
+    dead and shut the client down. Its output task then hands ``EngineDeadError`` to every request inside.
+    Callable from any thread (vLLM's client closes its sockets on its own loop). Never raises."""
+    if (core := getattr(engine, "engine_core", None)) is None:
+        return
+    with contextlib.suppress(Exception):
+        core.resources.engine_dead = True
+        core.shutdown()
+
+
+#: How long a dead remote engine's output handler gets to hand ``EngineDeadError`` to its requests (seconds).
+END_CLIENT_WAIT_S = 5.0
+
+
 async def stop_engine_clients(engine: Engine) -> None:
     """After its engine core died: cancel ``engine``'s output handler task and shut its engine-core client
-    down (its sockets; off the event loop). Never raises."""
-    if (handler := getattr(engine, "output_handler", None)) is not None:
+    down (its sockets; off the event loop). An engine another process launched is first ended as vLLM's
+    monitor would (:func:`end_client`), and its output handler given :data:`END_CLIENT_WAIT_S` to fail its
+    requests (cancelled, it would leave them waiting). Never raises."""
+    handler = getattr(engine, "output_handler", None)
+    if getattr(engine, "vlguard_placement", None) is not None:
+        end_client(engine)
+        if handler is not None and not handler.done():
+            await asyncio.wait({handler}, timeout=END_CLIENT_WAIT_S)
+    if handler is not None:
         handler.cancel()
     if (core := getattr(engine, "engine_core", None)) is not None:
         with contextlib.suppress(Exception):

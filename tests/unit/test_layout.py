@@ -12,9 +12,9 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 
 #: package -> packages of vlguard it must not import
 BOUNDARIES = {
-    "engine": ("server.guard", "server.api", "server.app", "server.serve", "server.workload"),
-    "guard": ("server.api", "server.app", "server.serve", "server.workload"),
-    "vllm_hooks": ("server.guard", "server.api", "server.app", "server.serve", "server.workload"),
+    "engine": ("server.guard", "server.api", "server.app", "server.serve", "server.workload", "server.scaleout"),
+    "guard": ("server.api", "server.app", "server.serve", "server.workload", "server.scaleout"),
+    "vllm_hooks": ("server.guard", "server.api", "server.app", "server.serve", "server.workload", "server.scaleout"),
 }
 
 

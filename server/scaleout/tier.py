@@ -1,0 +1,220 @@
+"""The owner process's loop under ``--api-server-count N``: N API processes and the engine core they share,
+from start to exit (what each part does: :mod:`server.scaleout.owner`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from server.guard.spare import SpareKeeper
+from server.scaleout import api_process
+from server.scaleout.control import EngineDown, EngineUp, Progress, Shared
+from server.scaleout.owner import EngineOwner, NotifyRelay, unsupported_reason
+from server.settings import GuardSettings
+
+logger = logging.getLogger("server.scaleout")
+
+#: Exit statuses (as :mod:`server.serve`'s).
+EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED = 3, 4
+#: How often the loop looks at what has no file descriptor to wait on (spare, watchdog pings), seconds.
+TICK_S = 1.0
+
+
+def run(args: argparse.Namespace, settings: GuardSettings, sock: socket.socket, state_dir: str, count: int) -> int:
+    """Serve with ``count`` API processes until SIGTERM/SIGINT or until one of them ends.
+
+    Returns:
+        3 when the first engine did not come up or this vLLM's launcher cannot be driven; 4 when an API
+        process's guard gave up or the engine could not be launched again; the ending API process's status
+        otherwise. After a SIGTERM/SIGINT the process ends by that signal (143 / 130).
+    """
+    if (why := unsupported_reason()) is not None:
+        logger.critical("--api-server-count %d: %s", count, why)
+        return EXIT_STARTUP_FAILED
+    tier = Tier(args, settings, sock, state_dir, count)
+    try:
+        status = tier.serve()
+    finally:
+        tier.stop()
+    for sig in tier.signals[-1:]:
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)
+    return status
+
+
+class Tier:
+    """The owner's processes and its loop (:meth:`serve`), and their end (:meth:`stop`)."""
+
+    def __init__(
+        self, args: argparse.Namespace, settings: GuardSettings, sock: socket.socket, state_dir: str, count: int
+    ) -> None:
+        from server import serve
+
+        self.args, self.settings, self.sock, self.state_dir, self.count = args, settings, sock, state_dir, count
+        self.signals: list[int] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda received, _frame: self.signals.append(received))
+        engine_args = serve.engine_args(args, settings)
+        engine_args._api_process_count, engine_args._api_process_rank = count, -1
+        from vllm.usage.usage_lib import UsageContext
+
+        self.config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        self.spares = SpareKeeper() if settings.spare else None
+        log_stats = not engine_args.disable_log_stats
+        self.owner = EngineOwner(self.config, count, log_stats, settings, state_dir, self.spares)
+        self.relay = NotifyRelay(count, state_dir)
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._launch: threading.Thread | None = None
+        self._launched: list[EngineUp] | BaseException | None = None
+        self._next_launch_at = 0.0
+        self._failures = 0
+
+    # -- start ------------------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        """Start the N API processes (their imports and app run while the first engine loads)."""
+        ctx = multiprocessing.get_context("spawn")
+        for index in range(self.count):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=api_process.main,
+                name=f"vlguard-api-{index}",
+                args=(self.args, self.settings, self.sock, index, self.count, theirs, self.relay.environ(index)),
+            )
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(mine)
+        logger.info("API processes started: %s", ", ".join(str(p.pid) for p in self.procs))
+
+    def _start_launch(self) -> None:
+        def launch() -> None:
+            try:
+                self._launched = self.owner.launch()
+            except BaseException as exc:  # handed to the loop
+                self._launched = exc
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
+        self._launched = None
+        self._launch = threading.Thread(target=launch, name="vlguard-engine-launch", daemon=True)
+        self._launch.start()
+
+    def _send(self, messages: list[Any]) -> None:
+        for conn, message in zip(self.conns, messages, strict=True):
+            with contextlib.suppress(OSError):  # an API process that is gone: the loop sees its end
+                conn.send(message)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def serve(self) -> int:
+        """Until a signal or until an API process ends; the status :func:`run` returns without a signal."""
+        self._spawn()
+        if self.spares is not None:
+            self.spares.on_config(self.config)
+        self._start_launch()
+        first = True
+        last_tick = 0.0
+        while not self.signals:
+            launching = self._launch is not None and self._launch.is_alive()
+            waiting: list[Any] = [self._wake_r, *(p.sentinel for p in self.procs), *self.relay.sockets, *self.conns]
+            if not launching:
+                waiting += self.owner.sentinels()
+            for ready in wait(waiting, timeout=TICK_S):
+                if ready is self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        self._wake_r.recv(4096)
+                elif ready in self.relay.sockets:
+                    self.relay.read(ready)
+                elif ready in self.conns:
+                    self._forward(ready)
+            if self.signals:
+                break
+            if (ended := next((p for p in self.procs if p.exitcode is not None), None)) is not None:
+                logger.error("API process %s ended (status %s): stopping", ended.pid, ended.exitcode)
+                return EXIT_ENGINE_FAILED if ended.exitcode == EXIT_ENGINE_FAILED else (ended.exitcode or 1)
+            if not launching and self._launch is not None:
+                status = self._launched_engine(first)
+                first = False
+                if status is not None:
+                    return status
+            elif not launching and self.owner.died():
+                logger.error("engine %d: its engine core ended; launching the next", self.owner.generation)
+                self._send([EngineDown(self.owner.generation)] * self.count)
+                self._start_launch()
+            elif self._launch is None and time.monotonic() >= self._next_launch_at and self._failures:
+                self._start_launch()
+            if time.monotonic() - last_tick >= TICK_S:
+                last_tick = time.monotonic()
+                self.relay.tick()
+                if self.spares is not None and not launching:
+                    threading.Thread(target=self.spares.check, daemon=True).start()
+        return 0
+
+    def _forward(self, conn: Connection) -> None:
+        """A message from an API process: a shared change or a progress note goes to every other one."""
+        with contextlib.suppress(EOFError, OSError):  # an API process that ended: the loop sees it
+            while conn.poll():
+                message = conn.recv()
+                if isinstance(message, Shared | Progress):
+                    others = [c for c in self.conns if c is not conn]
+                    for other in others:
+                        with contextlib.suppress(OSError):
+                            other.send(message)
+
+    def _launched_engine(self, first: bool) -> int | None:
+        """A launch ended: announce the engine, or count the failure (a status when giving up)."""
+        result, self._launch = self._launched, None
+        if isinstance(result, list):
+            self._failures = 0
+            self._send(result)
+            logger.info("engine %d up: announced to %d API processes", self.owner.generation, self.count)
+            if self.spares is not None:
+                spares, config = self.spares, self.config
+                threading.Thread(target=spares.replenish, args=(config,), daemon=True).start()
+            return None
+        logger.error("engine %d did not come up: %r", self.owner.generation, result)
+        self.owner.end()
+        if first:
+            return EXIT_STARTUP_FAILED
+        self._failures += 1
+        if self._failures > self.settings.restart_max:
+            logger.critical("the engine could not be launched %d times in a row: giving up", self._failures)
+            return EXIT_ENGINE_FAILED
+        self._next_launch_at = time.monotonic() + self.settings.restart_backoff * 2 ** (self._failures - 1)
+        return None
+
+    # -- the end ----------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """SIGTERM the API processes (each drains), wait for them, then end the engine and the spare. Each
+        stage is bounded (the drain, then ``shutdown_timeout`` seconds). Never raises."""
+        for proc in self.procs:
+            if proc.exitcode is None and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.drain_timeout + self.settings.shutdown_timeout + 5
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                logger.error("API process %s did not end in time: killing it", proc.pid)
+                proc.kill()
+                proc.join(5)
+        if self.spares is not None:
+            self.spares.close()
+        self.owner.end(timeout=self.settings.shutdown_timeout)
+        signal.set_wakeup_fd(-1)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
