@@ -56,7 +56,7 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
         # what vLLM's launcher does, done with its own helpers (server/launcher.py)
         "tool_parser_plugin", "log_config_file", "disable_access_log_for_endpoints", "enable_ssl_refresh",
     )},
-    "api_server_count": (_R, "one API process only: the guard does not span several yet"),
+    "api_server_count": (_G, ""),  # an owner of the engine and N guarded API processes (server/scaleout)
     "headless": (_R, "vlguard serves the API it guards; a headless engine has none"),
     "headless_client_handshake_address": (_R, _LAUNCHER),
     "grpc": (_R, "vlguard serves HTTP only"),
@@ -67,18 +67,6 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
     "dp_supervisor_probe_failure_threshold": (_R, _LAUNCHER),
     "h11_max_header_count": (_R, _LAUNCHER),
 }  # fmt: skip
-
-
-#: Set to 1 to try ``--api-server-count N`` (N > 1) before every part of it is built (docs/architecture.md,
-#: "Scaling out the API tier": what works and what does not yet).
-PREVIEW_ENV = "VLGUARD_PREVIEW_API_SERVERS"
-
-
-def api_servers_allowed(value: object) -> bool:
-    """Whether ``--api-server-count value`` is honoured: 1 (or unset), or any count under :data:`PREVIEW_ENV`."""
-    import os
-
-    return value in (None, 1) or os.environ.get(PREVIEW_ENV) == "1"
 
 
 def front_end_dests(serve_parser: argparse.ArgumentParser) -> list[str]:
@@ -98,9 +86,20 @@ def refused(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> 
     for dest in front_end_dests(serve_parser):
         kind, why = FRONT_FLAGS.get(dest, (_R, "a front-end flag vlguard does not know yet"))
         value, default = getattr(args, dest, None), serve_parser.get_default(dest)
-        if kind is _R and value != default and not (dest == "api_server_count" and api_servers_allowed(value)):
+        if kind is _R and value != default:
             lines.append(f"--{dest.replace('_', '-')} {value!r}: {why}")
+    if (count := getattr(args, "api_server_count", None) or 1) > 1 and (why := _scale_out_refused(args)):
+        lines.append(f"--api-server-count {count}: {why}")
     return lines
+
+
+def _scale_out_refused(args: argparse.Namespace) -> str:
+    """Why vlguard cannot run ``args``'s N > 1 API processes here ("" when it can: :mod:`server.scaleout`)."""
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1:
+        return "vlguard scales out the API processes of one engine core; data parallel is not driven"
+    from server.scaleout.owner import unsupported_reason
+
+    return unsupported_reason() or ""
 
 
 #: Where vlguard's front end differs from ``vllm serve``'s on purpose, each with why: what ``--print-config``

@@ -202,6 +202,7 @@ class Tier:
     def stop(self) -> None:
         """SIGTERM the API processes (each drains), wait for them, then end the engine and the spare. Each
         stage is bounded (the drain, then ``shutdown_timeout`` seconds). Never raises."""
+        self.relay.notifier.stopping()
         for proc in self.procs:
             if proc.exitcode is None and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):

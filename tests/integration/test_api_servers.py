@@ -23,7 +23,8 @@ import psutil
 import pytest
 
 from tests.conftest import slow_steps_flag, token_ids
-from tests.helpers import engine_core, labelled, metric, poll, process_name, sse_tokens
+from tests.helpers import assert_session_ends, engine_core, labelled, metric, poll, process_name, sse_tokens
+from tests.notify import NotifySocket
 from tests.servers import ServerProcess, engine_env, vlguard_argv
 
 POISON_WORD = " Xylophonequartzmarker"  # its step raises in the worker (the fault plugin): a soft recovery
@@ -42,12 +43,21 @@ FLAGS = (
 
 
 @pytest.fixture(scope="module")
-def tier(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def notify(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifySocket]:
+    sock = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
+    yield sock
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def tier(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, notify: NotifySocket) -> Iterator[ServerProcess]:
+    """Own launch, ended by SIGTERM in the module's last test; a systemd notify socket."""
     logs = tmp_path_factory.mktemp("logs")
     env = engine_env(
-        VLGUARD_PREVIEW_API_SERVERS="1",
         VLGUARD_TEST_SLOW_STEPS_IF=str(logs / "slow-steps"),
         VLGUARD_TEST_POISON_TOKENS=",".join(map(str, token_ids(tiny_model, POISON_WORD))),
+        NOTIFY_SOCKET=str(notify.path),
+        WATCHDOG_USEC="2000000",
     )
     srv = ServerProcess(vlguard_argv(tiny_model, *FLAGS), logs / "tier.log", env=env)
     srv.start().wait_ready()
@@ -109,6 +119,15 @@ def test_two_api_processes_each_serve(tier: ServerProcess, model_name: str) -> N
     ]
     assert texts[0] == texts[1]  # one engine, greedy: the same answer through both
     close([first, second])
+
+
+def test_systemd_hears_the_owner_once_both_are_ready(tier: ServerProcess, notify: NotifySocket) -> None:
+    """Only the owner (the main process, NotifyAccess=main) notifies: READY=1 once both API processes are ready,
+    then WATCHDOG=1 while both ping."""
+    notify.wait_for("READY=1")
+    assert sum(message == "READY=1" for message in notify.messages) == 1
+    notify.wait_for("WATCHDOG=1")
+    assert notify.wait_for("STATUS=engine ready")
 
 
 def test_a_poison_quarantined_through_one_is_refused_by_the_other(tier: ServerProcess, model_name: str) -> None:
@@ -223,3 +242,27 @@ def test_sigkill_under_load_is_carried_over_in_both(tier: ServerProcess, model_n
     after = labelled(tier, "vlguard_engine_deaths_total", "cause")
     assert after["process_exit"] == deaths["process_exit"] + 1  # one engine: one death, not one per API process
     assert metric(tier, "vlguard_engine_up") == 1
+
+
+def test_sigterm_drains_both_and_ends_every_process(tier: ServerProcess, model_name: str, notify: NotifySocket) -> None:
+    """SIGTERM to the owner: each API process drains its stream, then the engine ends; exit by SIGTERM (143),
+    STOPPING=1, and nothing of the server left."""
+    assert tier.proc is not None
+    firsts, seconds = pinned(tier)
+    flag = slow_steps_flag(tier)
+    flag.touch()  # 128 tokens take 3.2 s at least: both streams are in flight at the SIGTERM
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            events = [threading.Event(), threading.Event()]
+            streams = [
+                pool.submit(_stream, c, model_name, 128, e) for c, e in zip((*firsts, *seconds), events, strict=True)
+            ]
+            assert all(e.wait(60) for e in events)
+            tier.proc.send_signal(signal.SIGTERM)
+            ended = [s.result() for s in streams]
+    finally:
+        flag.unlink(missing_ok=True)
+    assert [(len(ids), error) for ids, error in ended] == [(128, None)] * 2
+    assert tier.proc.wait(90) == -signal.SIGTERM
+    notify.wait_for("STOPPING=1")
+    assert_session_ends(tier.proc.pid)

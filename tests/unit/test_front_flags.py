@@ -18,7 +18,6 @@ def test_every_front_end_flag_of_this_vllm_is_classified() -> None:
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--api-server-count", "2"],
         ["--headless"],
         ["--grpc"],
         ["--h11-max-header-count", "10"],
@@ -32,6 +31,20 @@ def test_a_flag_vlguard_cannot_honour_is_refused_at_start(flags: list[str], caps
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"vlguard serve: {flags[0]}" in err and ":" in err.split(flags[0], 1)[1]
+
+
+def test_api_server_count_is_honoured_where_vlguard_drives_the_launcher(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.scaleout.owner import unsupported_reason
+
+    if (why := unsupported_reason()) is None:  # vLLM 0.20-0.22: an owner and N guarded API processes
+        args, _ = resolve_serve_args(["serve", "m", "--api-server-count", "2"])
+        assert args.api_server_count == 2
+    else:  # a later vLLM binds its API processes' listeners itself: refused at start, saying why
+        with pytest.raises(SystemExit) as exit_:
+            resolve_serve_args(["serve", "m", "--api-server-count", "2"])
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # data parallel engines are not driven through the guard
+        resolve_serve_args(["serve", "m", "--api-server-count", "2", "--data-parallel-size", "2"])
 
 
 def test_launcher_flags_vlguard_honours_reach_its_uvicorn() -> None:
