@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 3
 EXIT_ENGINE_FAILED = 4  # restarts kept failing or the restart budget was spent
+EXIT_API_PROCESS_ENDED = 5  # --api-server-count N: an API process ended on its own (a crash, a kill)
 
 logger = logging.getLogger("server")
 

@@ -25,8 +25,8 @@ from server.settings import GuardSettings
 
 logger = logging.getLogger("server.scaleout")
 
-#: Exit statuses (as :mod:`server.serve`'s).
-EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED = 3, 4
+#: Exit statuses (:mod:`server.serve`'s).
+EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED, EXIT_API_PROCESS_ENDED = 3, 4, 5
 #: How often the loop looks at what has no file descriptor to wait on (spare, watchdog pings), seconds.
 TICK_S = 1.0
 
@@ -35,14 +35,20 @@ def run(args: argparse.Namespace, settings: GuardSettings, sock: socket.socket, 
     """Serve with ``count`` API processes until SIGTERM/SIGINT or until one of them ends.
 
     Returns:
-        3 when the first engine did not come up or this vLLM's launcher cannot be driven; 4 when an API
-        process's guard gave up or the engine could not be launched again; the ending API process's status
-        otherwise. After a SIGTERM/SIGINT the process ends by that signal (143 / 130).
+        3 when the first engine did not come up (or an API process could not start); 4 when an API process's
+        guard gave up or the engine could not be launched again; 5 when an API process ended otherwise (killed,
+        crashed): as vLLM's launcher does, every process then ends. After a SIGTERM/SIGINT the process ends by
+        that signal (143 / 130).
     """
     if (why := unsupported_reason()) is not None:
         logger.critical("--api-server-count %d: %s", count, why)
         return EXIT_STARTUP_FAILED
-    tier = Tier(args, settings, sock, state_dir, count)
+    try:
+        tier = Tier(args, settings, sock, state_dir, count)
+    except Exception:  # vLLM refused the configuration: as the single process's first build failing
+        logger.exception("cannot start: the engine's configuration failed")
+        shutil.rmtree(state_dir, ignore_errors=True)
+        return EXIT_STARTUP_FAILED
     try:
         status = tier.serve()
     finally:
@@ -145,8 +151,12 @@ class Tier:
             if self.signals:
                 break
             if (ended := next((p for p in self.procs if p.exitcode is not None), None)) is not None:
-                logger.error("API process %s ended (status %s): stopping", ended.pid, ended.exitcode)
-                return EXIT_ENGINE_FAILED if ended.exitcode == EXIT_ENGINE_FAILED else (ended.exitcode or 1)
+                logger.error("API process %s ended (status %s): stopping every process", ended.pid, ended.exitcode)
+                return (
+                    ended.exitcode
+                    if ended.exitcode in (EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED)
+                    else EXIT_API_PROCESS_ENDED
+                )
             if not launching and self._launch is not None:
                 status = self._launched_engine(first)
                 first = False
@@ -203,6 +213,9 @@ class Tier:
         """SIGTERM the API processes (each drains), wait for them, then end the engine and the spare. Each
         stage is bounded (the drain, then ``shutdown_timeout`` seconds). Never raises."""
         self.relay.notifier.stopping()
+        if self.owner.manager is None:  # no engine is coming: a build waiting for one gives up at once
+            for conn in self.conns:
+                conn.close()
         for proc in self.procs:
             if proc.exitcode is None and proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
