@@ -38,7 +38,7 @@ serve:  ## serve MODEL (default: the tiny model) on HOST:PORT through vlguard (S
 serve-stock:  ## the stock vLLM OpenAI server on the same model and profile (vlguard's plugins off)
 	@$(WITH_MODEL) && \
 	  VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} VLLM_PLUGINS= \
-	  exec $$PY -m vllm.entrypoints.openai.api_server --model "$$model" --config $(PROFILE) --host $(HOST) --port $(PORT)
+	  exec $$PY -m server.workload.stock_serve "$$model" --config $(PROFILE) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 bench:  ## vlguard bench compare --scenario SCENARIO on MODEL and PROFILE (BENCH_ARGS: more bench flags)
 	@$(WITH_MODEL) && \

