@@ -25,7 +25,7 @@ import pytest
 from tests.conftest import slow_steps_flag, token_ids
 from tests.helpers import assert_session_ends, engine_core, labelled, metric, poll, process_name, sse_tokens
 from tests.notify import NotifySocket
-from tests.servers import ServerProcess, engine_env, vlguard_argv
+from tests.servers import SPARE, ServerProcess, engine_env, vlguard_argv
 
 POISON_WORD = " Xylophonequartzmarker"  # its step raises in the worker (the fault plugin): a soft recovery
 HANG_TIMEOUT_S = 5
@@ -39,6 +39,7 @@ FLAGS = (
     "--guard-quarantine-deaths", "1",
     "--guard-client-fault-max", "2",
     "--api-key", *KEYS,
+    *SPARE,  # the owner keeps the spare: the kill tests' rebuilds run in it
 )  # fmt: skip
 
 
@@ -222,9 +223,13 @@ def test_a_stream_is_resumed_token_identical_through_an_api_process(tier: Server
     (first,), (second,) = pinned(tier)
     reference = _stream(second, model_name, 256, threading.Event())
     assert reference[1] is None and len(reference[0]) == 256
+    poll(lambda: metric(tier, "vlguard_engine_spare_up") == 1, 120, "the owner's spare to be ready")
+    handed = len(re.findall(r"(EngineCore|VllmWorker-0) runs in spare process", tier.log_path.read_text()))
     assert _killed_during(tier, [(second, 256)], model_name) == [reference]
     assert [c.get("/ready").status_code for c in (first, second)] == [200, 200]  # each API process READY again
     close([first, second])
+    # the owner rebuilt through its spare: engine core and worker (a refused worker spare cost 21.5 s, not ~5)
+    assert len(re.findall(r"(EngineCore|VllmWorker-0) runs in spare process", tier.log_path.read_text())) == handed + 2
 
 
 def test_sigkill_under_load_is_carried_over_in_both(tier: ServerProcess, model_name: str) -> None:
