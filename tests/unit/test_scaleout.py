@@ -1,0 +1,173 @@
+"""The parts of ``--api-server-count N`` that need no engine: per-server guard state shared between API processes
+(server/guard/peers.py), the owner link and the engine factory's waiting (server/scaleout), and the systemd relay."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.guard.clients import ClientBudget
+from server.guard.peers import Change
+from server.guard.quarantine import Quarantine
+from server.scaleout.control import EngineDown, EngineUp
+from server.scaleout.link import OwnerLink
+from server.scaleout.owner import NotifyRelay
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.changes: list[Change] = []
+
+    def publish(self, change: Change) -> None:
+        self.changes.append(change)
+
+
+def test_a_quarantine_publishes_its_changes_and_takes_in_its_peers_at_the_next_read() -> None:
+    mine, theirs = Quarantine(deaths=1, max_entries=10, ttl_s=60), Quarantine(deaths=1, max_entries=10, ttl_s=60)
+    mine.peers = peers = Recorder()
+    assert mine.record_death(["b", "a", "a"]) == ["a", "b"]
+    assert peers.changes == [Change("strikes", ("a", "b"))]
+    for change in peers.changes:  # what the owner forwards
+        theirs.received.add(change)
+    assert not theirs.empty() and theirs.is_quarantined("a") and theirs.is_quarantined("b")
+    mine.clear("a")
+    assert peers.changes[-1] == Change("cleared", ("a",))
+    theirs.received.add(peers.changes[-1])
+    assert not theirs.is_quarantined("a") and theirs.is_quarantined("b")
+    mine.clear()
+    theirs.received.add(peers.changes[-1])
+    assert theirs.empty()
+    assert len(peers.changes) == 3  # taking a peer's change in publishes nothing
+
+
+def test_a_client_budget_spent_through_one_process_is_spent_in_the_other() -> None:
+    mine, theirs = ClientBudget(2, 60, 30), ClientBudget(2, 60, 30)
+    mine.peers = peers = Recorder()
+    mine.charge(["key:a", ""])  # "" is nobody: not published, not counted
+    assert peers.changes == [Change("client_faults", ("key:a",))]
+    mine.charge(["key:a"])
+    for change in peers.changes:
+        theirs.received.add(change)
+    assert mine.refused_for("key:a") > 0 and theirs.refused_for("key:a") > 0
+    assert theirs.refused_count() == 1
+
+
+def test_changes_received_on_another_thread_are_taken_in_once() -> None:
+    quarantine = Quarantine(deaths=2, max_entries=1000, ttl_s=60)
+    adders = [threading.Thread(target=lambda: [quarantine.received.add(Change("strikes", (f"fp{i}",)))
+                                               for i in range(500)]) for _ in range(2)]  # fmt: skip
+    for adder in adders:
+        adder.start()
+    for adder in adders:
+        adder.join()
+    assert sum(quarantine.is_quarantined(f"fp{i}") for i in range(500)) == 500  # two strikes each, no more
+    assert all(quarantine.strikes(f"fp{i}") == 2 for i in range(500))
+
+
+def _link() -> tuple[OwnerLink, Any]:
+    owner_end, api_end = multiprocessing.Pipe()
+    return OwnerLink(api_end), owner_end
+
+
+def test_the_link_hands_each_message_to_its_handler_and_says_when_the_owner_is_gone() -> None:
+    link, owner = _link()
+    got: list[object] = []
+    gone = threading.Event()
+    link.on(EngineDown, got.append)
+    link.on(EngineUp, lambda _: 1 / 0)  # a failing handler costs its message only
+    link.on_gone(gone.set)
+    link.start()
+    owner.send(EngineUp(1, "/d", (1,)))
+    owner.send("unexpected")
+    owner.send(EngineDown(1))
+    owner.close()
+    assert gone.wait(5)
+    assert got == [EngineDown(1)]
+
+
+def _engines(link: OwnerLink, wait_s: float) -> Any:
+    from server.scaleout.remote import RemoteEngines
+
+    class Args:
+        _api_process_count = _api_process_rank = 0
+
+    return RemoteEngines(link, Args(), index=1, count=2, wait_s=wait_s)  # type: ignore[arg-type]
+
+
+def test_a_build_waits_for_an_engine_newer_than_the_last_and_not_announced_dead() -> None:
+    link, owner = _link()
+    engines = _engines(link, wait_s=5)
+    link.start()
+    owner.send(EngineUp(1, "/d1", (11,)))
+    assert engines._next().generation == 1
+    owner.send(EngineDown(1))
+    with pytest.raises(TimeoutError):  # nothing newer than 1
+        _engines_next(engines, 0.3)
+    threading.Timer(0.2, lambda: owner.send(EngineUp(2, "/d2", (12,)))).start()
+    assert engines._next().generation == 2
+    owner.send(EngineDown(3))  # a death announced before its engine: that engine is never built
+    owner.send(EngineUp(3, "/d3", (13,)))
+    with pytest.raises(TimeoutError):
+        _engines_next(engines, 0.3)
+    owner.close()
+    with pytest.raises(RuntimeError, match="owner"):  # gone: a waiting build gives up at once
+        _engines_next(engines, 5)
+
+
+def _engines_next(engines: Any, wait_s: float) -> EngineUp:
+    engines.wait_s = wait_s
+    started = time.monotonic()
+    try:
+        up: EngineUp = engines._next()
+        return up
+    finally:
+        assert time.monotonic() - started < wait_s + 1
+
+
+def test_systemd_hears_ready_once_all_api_processes_are_and_watchdog_while_all_ping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    systemd.bind(str(tmp_path / "notify"))
+    systemd.settimeout(0.2)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")  # pings due every second
+    relay = NotifyRelay(2, str(tmp_path))
+    senders = []
+    for index in range(2):
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sender.connect(relay.environ(index)["NOTIFY_SOCKET"])
+        senders.append(sender)
+
+    def heard() -> list[str]:
+        messages = []
+        while True:
+            try:
+                messages.append(systemd.recv(4096).decode())
+            except TimeoutError:
+                return messages
+
+    def deliver(index: int, message: str) -> None:
+        senders[index].send(message.encode())
+        relay.read(relay.sockets[index])
+
+    deliver(0, "READY=1")
+    deliver(0, "WATCHDOG=1")
+    relay.tick()
+    assert heard() == []  # API process 1 is not ready yet
+    deliver(1, "STATUS=engine ready")  # only API process 0's status is passed on
+    deliver(1, "READY=1")
+    assert heard() == ["READY=1"]
+    relay.tick()
+    assert heard() == []  # API process 1 has not pinged
+    deliver(1, "WATCHDOG=1")
+    relay.tick()
+    assert heard() == ["WATCHDOG=1"]
+    for sock in (*senders, systemd, *relay.sockets):
+        sock.close()
