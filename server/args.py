@@ -139,7 +139,12 @@ def describe_config(args: argparse.Namespace, settings: GuardSettings) -> dict[s
     return {
         "engine": engine_config(args, settings),
         "vlguard_changes": vllm_changes(args, settings),
-        "frontend": {"host": args.host, "port": args.port, "served_model_name": args.served_model_name},
+        "frontend": {
+            "host": args.host,
+            "port": args.port,
+            "served_model_name": args.served_model_name,
+            "api_server_count": args.api_server_count or 1,  # above 1: an owner and N API processes
+        },
         "front_differences": front_flags.DIFFERENCES,
         "guard": settings.model_dump(),
     }

@@ -84,7 +84,8 @@ def engine_overrides(args: argparse.Namespace, settings: GuardSettings) -> dict[
 def vllm_changes(args: argparse.Namespace, settings: GuardSettings) -> dict[str, str]:
     """What vlguard changes in vLLM's behaviour for ``args``, one line each (``--print-config`` shows it)."""
     changes = {name: f"{value!r} (vlguard)" for name, value in engine_overrides(args, settings).items()}
-    if getattr(args, "mm_processor_cache_gb", 0) > 0:
+    # with several API processes vLLM keeps the cache in them alone (processor_only): nothing of vlguard's to say
+    if getattr(args, "mm_processor_cache_gb", 0) > 0 and api_server_count(args) == 1:
         changes["mm_processor_cache_type"] = (
             "lru (shm becomes lru), its API half kept with the images' data: the guard sends a repeated image "
             "as its hash only to an engine core that holds it, so replays reach any engine core with their "
