@@ -97,6 +97,12 @@ def _scale_out_refused(args: argparse.Namespace) -> str:
     """Why vlguard cannot run ``args``'s N > 1 API processes here ("" when it can: :mod:`server.scaleout`)."""
     if (getattr(args, "data_parallel_size", 1) or 1) > 1:
         return "vlguard scales out the API processes of one engine core; data parallel is not driven"
+    if getattr(args, "mm_tensor_ipc", None) == "torch_shm":
+        return "--mm-tensor-ipc torch_shm: its queue can only be inherited, and the owner relaunches engines"
+    import vllm.envs as envs
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        return "VLLM_ALLOW_RUNTIME_LORA_UPDATING cannot be used with several API processes (as vllm serve refuses it)"
     from server.scaleout.owner import unsupported_reason
 
     return unsupported_reason() or ""

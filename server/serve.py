@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from server.guard.forensics import Forensics
     from server.guard.lifecycle import EngineFactory
-    from server.guard.spare import SpareKeeper
+    from server.guard.spare import Spares
     from server.guard.supervisor import Supervisor
 
 #: Process exit statuses. Anything non-zero makes systemd's ``Restart=on-failure`` fire.
@@ -259,7 +259,7 @@ def serve_api(
     sock: socket.socket,
     factory: EngineFactory,
     state_dir: str,
-    spares: SpareKeeper | None = None,
+    spares: Spares | None = None,
     reap_children: bool = False,
     on_supervisor: Callable[[Supervisor], None] | None = None,
 ) -> int:

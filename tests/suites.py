@@ -29,6 +29,7 @@ NO_VLLM = frozenset(
         "test_phase_trace.py",
         "test_pixels.py",
         "test_poison.py",
+        "test_scaleout.py",
         "test_spare.py",
         "test_workload.py",
     }

@@ -203,10 +203,22 @@ class LongMessageCut(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if len(message) > MAX_LOG_CHARS:
-            record.msg = f"{message[:MAX_LOG_CHARS]}... ({len(message) - MAX_LOG_CHARS} more characters cut)"
-            record.args = None
+        if len(message) <= MAX_LOG_CHARS:
+            return True
+        if isinstance(record.args, tuple) and record.args:
+            # Formatters may read the arguments themselves (uvicorn's access formatter unpacks them: without
+            # them a 9,000-character path logged a 110-line "Logging error" instead of its line): cut each.
+            share = MAX_LOG_CHARS // (2 * len(record.args))
+            record.args = tuple(_cut(a, share) if isinstance(a, str) else a for a in record.args)
+            if len(message := record.getMessage()) <= MAX_LOG_CHARS:
+                return True
+        record.msg = _cut(message, MAX_LOG_CHARS)
+        record.args = None
         return True
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters cut)"
 
 
 def cut_long_messages() -> None:

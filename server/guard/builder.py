@@ -21,7 +21,7 @@ from server.guard import ipc_cache, output_faults, watchdog
 from server.guard.hold import HoldPolicy, RebuildPath
 from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine, EngineFactory, Placement, ServingRenderer, in_daemon_thread, teardown
-from server.guard.spare import SpareKeeper, publish
+from server.guard.spare import Spares, publish
 from server.settings import GuardSettings
 from server.vllm_hooks import async_llm
 
@@ -88,7 +88,7 @@ class EngineBuilder:
         engine_factory: EngineFactory,
         settings: GuardSettings,
         state_dir: str,
-        spares: SpareKeeper | None = None,
+        spares: Spares | None = None,
         reap_children: bool = False,
         limits: HoldPolicy | None = None,
     ) -> None:

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from server.engine.spare import CORE_MODULES, CORE_PROCESS, Spare, arm, disarm, env_differences, install
 from server.guard import watchdog
@@ -24,6 +25,19 @@ def publish(path: RebuildPath) -> None:
     m.SPARE_UP.set(1 if path is RebuildPath.SPARE else 0)
     for each in RebuildPath:
         m.REBUILD_PATH.labels(path=each.value).set(1 if each is path else 0)
+
+
+class Spares(Protocol):
+    """What an engine build needs of the spare engine processes (:class:`SpareKeeper` here; with several API
+    processes, :class:`server.scaleout.remote.OwnersSpare`: the owner keeps the spare)."""
+
+    def path(self) -> RebuildPath: ...
+    def pids(self) -> set[int]: ...
+    def arm(self) -> RebuildPath: ...
+    def after_build(self) -> None: ...
+    def replenish(self, vllm_config: object) -> None: ...
+    def check(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class SpareKeeper:

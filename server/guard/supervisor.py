@@ -32,7 +32,7 @@ from server.guard.lifecycle import Engine, EngineFactory, build_async_llm
 from server.guard.port import Attempt
 from server.guard.quarantine import Fingerprint
 from server.guard.restart_policy import RestartBudget, RestartPolicy
-from server.guard.spare import SpareKeeper
+from server.guard.spare import Spares
 from server.guard.states import EngineState, EngineStates
 from server.guard.watch import EngineWatch
 from server.guard.watchdog import DeathCause
@@ -80,7 +80,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         reap_children: bool = False,
-        spares: SpareKeeper | None = None,
+        spares: Spares | None = None,
         forensics: Forensics | None = None,
     ) -> None:
         self.settings, self.on_failed, self.clock, self._sleep = settings, on_failed, clock, sleep

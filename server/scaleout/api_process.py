@@ -42,7 +42,7 @@ def main(
     from server.engine.protocol import new_state_dir
     from server.metrics import definitions
     from server.scaleout.link import OwnerLink
-    from server.scaleout.remote import RemoteEngines
+    from server.scaleout.remote import OwnersSpare, RemoteEngines
     from server.scaleout.shared import SharedGuardState
 
     serve.configure_logging(f"api {index}")
@@ -55,6 +55,7 @@ def main(
     link = OwnerLink(conn)
     engines = RemoteEngines(link, serve.engine_args(args, settings), index, count, settings.startup_timeout)
     shared = SharedGuardState(link, index)
+    spare = OwnersSpare(link)
     link.start()
     # its own state directory (removed at its shutdown); the engines' records are in the owner's
-    sys.exit(serve.serve_api(args, settings, sock, engines, new_state_dir(), on_supervisor=shared.attach))
+    sys.exit(serve.serve_api(args, settings, sock, engines, new_state_dir(), spare, on_supervisor=shared.attach))

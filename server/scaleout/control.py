@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.guard.hold import RebuildPath
 from server.guard.peers import Change
 
 
@@ -52,4 +53,12 @@ class Progress:
     origin: int
 
 
-__all__ = ["EngineDown", "EngineUp", "Progress", "Shared"]
+@dataclass(frozen=True)
+class SparePath:
+    """Owner -> API process, when it changes: the path the owner's next rebuild would take (its spare ready,
+    still importing, or none): what the API process's hold and build limits are sized by."""
+
+    path: RebuildPath
+
+
+__all__ = ["EngineDown", "EngineUp", "Progress", "Shared", "SparePath"]

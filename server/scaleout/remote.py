@@ -22,8 +22,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from server.guard import watchdog
+from server.guard.hold import RebuildPath
 from server.guard.lifecycle import Engine, Placement
-from server.scaleout.control import EngineDown, EngineUp, Progress
+from server.scaleout.control import EngineDown, EngineUp, Progress, SparePath
 from server.scaleout.link import OwnerLink
 from server.vllm_hooks import async_llm
 
@@ -36,16 +38,58 @@ logger = logging.getLogger("server.guard.supervisor")
 PROGRESS_EVERY_S = 1.0
 
 
+class OwnersSpare:
+    """The spare engine process as an API process sees it (:class:`~server.guard.spare.Spares`): the owner keeps
+    it and says which path its next rebuild would take (:class:`~server.scaleout.control.SparePath`), so this
+    process's hold and build limits, ``/ready``'s ``rebuild`` and the measured rebuild times follow the owner's
+    spare. Nothing to spawn, check or end here."""
+
+    def __init__(self, link: OwnerLink) -> None:
+        self._path = RebuildPath.COLD
+        link.on(SparePath, self._told)
+
+    def _told(self, message: SparePath) -> None:
+        self._path = message.path
+
+    def path(self) -> RebuildPath:
+        return self._path
+
+    def arm(self) -> RebuildPath:
+        return self._path
+
+    def pids(self) -> set[int]:
+        return set()
+
+    def after_build(self) -> None:
+        return None
+
+    def replenish(self, vllm_config: object) -> None:
+        return None
+
+    def check(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+#: While a build waits, how often it looks again at the announced engine core's processes (seconds): one this
+#: API process found dead itself (its watch, or its guard ending a hung one) is not built again.
+RECHECK_S = 0.5
+
+
 class RemoteEngines:
-    """The engine factory of API process ``index`` of ``count``: blocks until the owner announces an engine
-    newer than the last one built here, then connects a client to it.
+    """The engine factory of API process ``index`` of ``count``: a build takes the newest engine the owner
+    announced that was not announced dead and whose engine core still runs, waiting for one if need be, and
+    connects a client to it. Each build takes a ticket: a build the guard abandoned (past its time limit) gives
+    up once a newer one starts, so it never takes an engine from it.
 
     Arguments:
         link: this API process's link to the owner (announcements arrive on it).
         engine_args: vLLM's engine arguments (this process's ``_api_process_count`` and ``_api_process_rank``
             are set here; the configuration is made once, at the first build).
         index, count: this API process's client index, and N.
-        wait_s: how long a build waits for an announcement (seconds) before it raises ``TimeoutError``.
+        wait_s: how long a build waits for an engine (seconds) before it raises ``TimeoutError``.
     """
 
     def __init__(self, link: OwnerLink, engine_args: AsyncEngineArgs, index: int, count: int, wait_s: float) -> None:
@@ -57,10 +101,10 @@ class RemoteEngines:
         self._announced: EngineUp | None = None  # the newest engine the owner announced
         self._down: set[int] = set()  # the owner's generations announced dead
         self._built: dict[int, Engine] = {}  # the owner's generation -> the client built here for it
-        self._used = 0  # the owner's generation of the last engine built here
+        self._ticket = 0  # the newest build's
         self.owner_gone = False
         link.on(EngineUp, self._up)
-        link.on(EngineDown, lambda down: self._down_(down.generation))
+        link.on(EngineDown, lambda down: self._end(down.generation))
         link.on_gone(self._owner_gone)
 
     def _progressed(self) -> None:
@@ -74,7 +118,8 @@ class RemoteEngines:
             self._announced = up
             self._changed.notify_all()
 
-    def _down_(self, *generations: int) -> None:
+    def _end(self, *generations: int) -> None:
+        """Engines ``generations`` are dead: end the clients built for them here."""
         with self._changed:
             self._down.update(generations)
             for generation in generations:
@@ -85,37 +130,48 @@ class RemoteEngines:
     def _owner_gone(self) -> None:  # its engine with it
         with self._changed:
             self.owner_gone = True
-        self._down_(*self._built)
+            built = list(self._built)
+        self._end(*built)
 
-    def _next(self) -> EngineUp:
+    def _next(self, ticket: int) -> EngineUp:
+        """The engine build ``ticket`` connects to (blocks; see the class).
+
+        Raises:
+            TimeoutError: none within ``wait_s`` seconds.
+            RuntimeError: the owner is gone, or a newer build started.
+        """
+        deadline = time.monotonic() + self.wait_s
         with self._changed:
-
-            def fresh() -> bool:
+            while True:
+                if self.owner_gone:
+                    raise RuntimeError("the owner of the engine is gone")
+                if ticket != self._ticket:
+                    raise RuntimeError("a newer engine build started")
                 up = self._announced
-                newer = up is not None and up.generation > self._used and up.generation not in self._down
-                return self.owner_gone or newer
-
-            if not self._changed.wait_for(fresh, self.wait_s):
-                raise TimeoutError(f"no engine announced within {self.wait_s:.0f} s")
-            if self.owner_gone or self._announced is None:
-                raise RuntimeError("the owner of the engine is gone")
-            self._used = self._announced.generation
-            return self._announced
+                if up is not None and up.generation not in self._down and not watchdog.process_problem(list(up.pids)):
+                    return up
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise TimeoutError(f"no live engine announced within {self.wait_s:.0f} s")
+                self._changed.wait(min(left, RECHECK_S))
 
     def __call__(self) -> Engine:
         """A client of the next engine the owner announces (blocks; run off the event loop).
 
         Raises:
             TimeoutError: none announced within ``wait_s`` seconds.
-            RuntimeError: the owner is gone.
+            RuntimeError: the owner is gone, or a newer build started.
             Exception: whatever vLLM raised while connecting.
         """
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        with self._changed:
+            self._ticket += 1
+            ticket = self._ticket
+            self._changed.notify_all()  # an abandoned build still waiting gives up
         if self._config is None:
             self._config = self.engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        up = self._next()
+        up = self._next(ticket)
         started = time.monotonic()
         engine = AsyncLLM.from_vllm_config(
             vllm_config=self._config,
@@ -140,4 +196,4 @@ class RemoteEngines:
         return engine
 
 
-__all__ = ["RemoteEngines"]
+__all__ = ["OwnersSpare", "RemoteEngines"]

@@ -17,9 +17,10 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from server.guard.hold import RebuildPath
 from server.guard.spare import SpareKeeper
 from server.scaleout import api_process
-from server.scaleout.control import EngineDown, EngineUp, Progress, Shared
+from server.scaleout.control import EngineDown, EngineUp, Progress, Shared, SparePath
 from server.scaleout.owner import EngineOwner, NotifyRelay, unsupported_reason
 from server.settings import GuardSettings
 
@@ -103,6 +104,8 @@ class Tier:
         self._launch: threading.Thread | None = None
         self._launched: list[EngineUp] | BaseException | None = None
         self._next_launch_at = 0.0
+        self._checking: threading.Thread | None = None  # the spare's check, one at a time
+        self._told_path = RebuildPath.COLD  # what the API processes were last told of the spare
         self._failures = 0
 
     # -- start ------------------------------------------------------------------------------------------
@@ -121,6 +124,9 @@ class Tier:
             self.procs.append(proc)
             self.conns.append(mine)
         logger.info("API processes started: %s", ", ".join(str(p.pid) for p in self.procs))
+        # Each API process has its own descriptor of the socket now. Closed here, the socket closes with the
+        # last API process's listener: a SIGTERM's drain refuses new connections, as one process's does.
+        self.sock.close()
 
     def _start_launch(self) -> None:
         def launch() -> None:
@@ -147,47 +153,61 @@ class Tier:
         if self.spares is not None:
             self.spares.on_config(self.config)
         self._start_launch()
-        first = True
-        last_tick = 0.0
+        first, last_tick = True, 0.0
         while not self.signals:
             launching = self._launch is not None and self._launch.is_alive()
-            waiting: list[Any] = [self._wake_r, *(p.sentinel for p in self.procs), *self.relay.sockets, *self.conns]
-            if not launching:
-                waiting += self.owner.sentinels()
-            for ready in wait(waiting, timeout=TICK_S):
-                if ready is self._wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        self._wake_r.recv(4096)
-                elif ready in self.relay.sockets:
-                    self.relay.read(ready)
-                elif ready in self.conns:
-                    self._forward(ready)
+            self._wait(launching)
             if self.signals:
                 break
-            if (ended := next((p for p in self.procs if p.exitcode is not None), None)) is not None:
-                logger.error("API process %s ended (status %s): stopping every process", ended.pid, ended.exitcode)
-                return (
-                    ended.exitcode
-                    if ended.exitcode in (EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED)
-                    else EXIT_API_PROCESS_ENDED
-                )
-            if not launching and self._launch is not None:
-                status = self._launched_engine(first)
-                first = False
+            if (status := self._api_process_ended()) is not None:
+                return status
+            if not launching and self._launch is not None:  # a launch ended
+                status, first = self._launched_engine(first), False
                 if status is not None:
                     return status
             elif not launching and self.owner.died():
                 logger.error("engine %d: its engine core ended; launching the next", self.owner.generation)
                 self._send([EngineDown(self.owner.generation)] * self.count)
                 self._start_launch()
-            elif self._launch is None and time.monotonic() >= self._next_launch_at and self._failures:
-                self._start_launch()
+            elif self._launch is None and self._failures and time.monotonic() >= self._next_launch_at:
+                self._start_launch()  # the next try after a failed launch's back-off
             if time.monotonic() - last_tick >= TICK_S:
                 last_tick = time.monotonic()
-                self.relay.tick()
-                if self.spares is not None and not launching:
-                    threading.Thread(target=self.spares.check, daemon=True).start()
+                self._tick(launching)
         return 0
+
+    def _wait(self, launching: bool) -> None:
+        """Until something happens (a launch ended, a process ended, a message, a signal) or :data:`TICK_S`."""
+        waiting: list[Any] = [self._wake_r, *(p.sentinel for p in self.procs), *self.relay.sockets, *self.conns]
+        if not launching:
+            waiting += self.owner.sentinels()
+        for ready in wait(waiting, timeout=TICK_S):
+            if ready is self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(4096)
+            elif ready in self.relay.sockets:
+                self.relay.read(ready)
+            elif ready in self.conns:
+                self._forward(ready)
+
+    def _api_process_ended(self) -> int | None:
+        """The status to exit with when an API process ended on its own; None while all run."""
+        if (ended := next((p for p in self.procs if p.exitcode is not None), None)) is None:
+            return None
+        logger.error("API process %s ended (status %s): stopping every process", ended.pid, ended.exitcode)
+        return ended.exitcode if ended.exitcode in (EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED) else EXIT_API_PROCESS_ENDED
+
+    def _tick(self, launching: bool) -> None:
+        """systemd's watchdog, and the spare (its check off the loop, one at a time: replacing a dead spare
+        spawns, which pickles the configuration)."""
+        self.relay.tick()
+        if self.spares is not None and (path := self.spares.path()) is not self._told_path:
+            self._told_path = path
+            self._send([SparePath(path)] * self.count)
+        if self.spares is None or launching or (self._checking is not None and self._checking.is_alive()):
+            return
+        self._checking = threading.Thread(target=self.spares.check, name="vlguard-spare-check", daemon=True)
+        self._checking.start()
 
     def _forward(self, conn: Connection) -> None:
         """A message from an API process: a shared change or a progress note goes to every other one."""

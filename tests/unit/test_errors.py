@@ -60,3 +60,30 @@ def test_a_refusal_names_at_most_twenty_errors_each_cut() -> None:
     message, param = validation_message(errors)
     assert param == "input" and message.endswith("(and 80 more errors)")
     assert message.count("input.") == 20 and len(message) < 20 * 520
+
+
+def test_a_long_access_log_line_is_cut_and_still_written_by_uvicorns_formatter() -> None:
+    """Hostile review: the cut set an access record's arguments to None, and uvicorn's access formatter unpacks
+    them: a 9,000-character path logged a 110-line "Logging error" traceback per request instead of its line."""
+    import io
+    import logging
+
+    from uvicorn.logging import AccessFormatter
+
+    from server.api.errors import MAX_LOG_CHARS, LongMessageCut
+
+    written = io.StringIO()
+    handler = logging.StreamHandler(written)
+    handler.setFormatter(AccessFormatter('%(client_addr)s - "%(request_line)s" %(status_code)s'))
+    handler.addFilter(LongMessageCut())
+    log = logging.getLogger("test.uvicorn.access")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        log.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/" + "x" * 20_000, "1.1", 404)
+    finally:
+        log.removeHandler(handler)
+    line = written.getvalue()
+    assert line.count("\n") == 1 and "Logging error" not in line
+    assert "more characters cut" in line and " 404" in line and len(line) < MAX_LOG_CHARS

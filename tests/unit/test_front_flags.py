@@ -45,6 +45,8 @@ def test_api_server_count_is_honoured_where_vlguard_drives_the_launcher(capsys: 
         assert exit_.value.code == 2 and why in capsys.readouterr().err
     with pytest.raises(SystemExit):  # data parallel engines are not driven through the guard
         resolve_serve_args(["serve", "m", "--api-server-count", "2", "--data-parallel-size", "2"])
+    with pytest.raises(SystemExit):  # a tensor queue only a child at its start can inherit
+        resolve_serve_args(["serve", "m", "--api-server-count", "2", "--mm-tensor-ipc", "torch_shm"])
 
 
 def test_launcher_flags_vlguard_honours_reach_its_uvicorn() -> None:

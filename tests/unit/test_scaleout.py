@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -100,34 +102,70 @@ def _engines(link: OwnerLink, wait_s: float) -> Any:
     return RemoteEngines(link, Args(), index=1, count=2, wait_s=wait_s)  # type: ignore[arg-type]
 
 
-def test_a_build_waits_for_an_engine_newer_than_the_last_and_not_announced_dead() -> None:
-    link, owner = _link()
-    engines = _engines(link, wait_s=5)
-    link.start()
-    owner.send(EngineUp(1, "/d1", (11,)))
-    assert engines._next().generation == 1
-    owner.send(EngineDown(1))
-    with pytest.raises(TimeoutError):  # nothing newer than 1
-        _engines_next(engines, 0.3)
-    threading.Timer(0.2, lambda: owner.send(EngineUp(2, "/d2", (12,)))).start()
-    assert engines._next().generation == 2
-    owner.send(EngineDown(3))  # a death announced before its engine: that engine is never built
-    owner.send(EngineUp(3, "/d3", (13,)))
-    with pytest.raises(TimeoutError):
-        _engines_next(engines, 0.3)
-    owner.close()
-    with pytest.raises(RuntimeError, match="owner"):  # gone: a waiting build gives up at once
-        _engines_next(engines, 5)
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
-def _engines_next(engines: Any, wait_s: float) -> EngineUp:
+def _next(engines: Any, wait_s: float) -> EngineUp:
     engines.wait_s = wait_s
     started = time.monotonic()
     try:
-        up: EngineUp = engines._next()
+        up: EngineUp = engines._next(engines._ticket)
         return up
     finally:
         assert time.monotonic() - started < wait_s + 1
+
+
+def test_a_build_takes_the_announced_engine_while_it_lives_and_was_not_announced_dead() -> None:
+    link, owner = _link()
+    engines = _engines(link, wait_s=5)
+    link.start()
+    alive, dead = os.getpid(), _dead_pid()
+    owner.send(EngineUp(1, "/d1", (alive,)))
+    assert _next(engines, 5).generation == 1
+    assert _next(engines, 5).generation == 1  # a build that failed its probe connects to the same engine again
+    owner.send(EngineDown(1))
+    with pytest.raises(TimeoutError):  # announced dead: nothing to build on
+        _next(engines, 0.3)
+    threading.Timer(0.2, lambda: owner.send(EngineUp(2, "/d2", (alive,)))).start()
+    assert _next(engines, 5).generation == 2
+    owner.send(EngineUp(3, "/d3", (dead,)))  # its engine core is gone, not yet announced (this process saw it)
+    with pytest.raises(TimeoutError):
+        _next(engines, 0.8)
+    owner.send(EngineDown(4))  # a death announced before its engine: that engine is never built
+    owner.send(EngineUp(4, "/d4", (alive,)))
+    with pytest.raises(TimeoutError):
+        _next(engines, 0.3)
+    owner.close()
+    with pytest.raises(RuntimeError, match="owner"):  # gone: a waiting build gives up at once
+        _next(engines, 5)
+
+
+def test_an_abandoned_build_gives_up_when_a_newer_one_starts() -> None:
+    link, owner = _link()
+    engines = _engines(link, wait_s=30)
+    link.start()
+    old = engines._ticket
+    outcome: list[BaseException] = []
+
+    def abandoned() -> None:
+        try:
+            engines._next(old)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=abandoned)
+    waiter.start()
+    with engines._changed:  # what a new build's call does first
+        engines._ticket += 1
+        engines._changed.notify_all()
+    waiter.join(5)
+    assert len(outcome) == 1 and "newer" in str(outcome[0])
+    owner.send(EngineUp(1, "/d1", (os.getpid(),)))
+    assert _next(engines, 5).generation == 1  # the newer build takes the engine
+    owner.close()
 
 
 def test_systemd_hears_ready_once_all_api_processes_are_and_watchdog_while_all_ping(
@@ -171,3 +209,20 @@ def test_systemd_hears_ready_once_all_api_processes_are_and_watchdog_while_all_p
     assert heard() == ["WATCHDOG=1"]
     for sock in (*senders, systemd, *relay.sockets):
         sock.close()
+
+
+def test_an_api_process_sizes_its_rebuilds_by_the_owners_spare() -> None:
+    from server.guard.hold import RebuildPath
+    from server.scaleout.control import SparePath
+    from server.scaleout.remote import OwnersSpare
+
+    link, owner = _link()
+    spare = OwnersSpare(link)
+    link.start()
+    assert spare.path() is RebuildPath.COLD and spare.pids() == set()
+    owner.send(SparePath(RebuildPath.SPARE))
+    deadline = time.monotonic() + 5
+    while spare.path() is not RebuildPath.SPARE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spare.arm() is RebuildPath.SPARE  # the path the rebuild takes, measured under it
+    owner.close()
