@@ -121,7 +121,7 @@ class ClientBudget:
         """Count one fault for each client (peers too). Returns the clients this made refused."""
         clients = sorted({c for c in clients if c})
         if self.peers is not None and clients:
-            self.peers.publish(Change("client_faults", tuple(clients)))
+            self.peers.publish(Change("client_faults", tuple(clients), self._clock()))
         if self.received:
             self._take_received()
         return self._charge(clients)
@@ -129,20 +129,24 @@ class ClientBudget:
     def _take_received(self) -> None:
         for change in self.received.take():
             if change.kind == "client_faults":
-                self._charge(c for c in change.values if c)
+                self._charge((c for c in change.values if c), change.at)
 
-    def _charge(self, clients: Iterable[str]) -> list[str]:
-        now, newly = self._clock(), []
+    def _charge(self, clients: Iterable[str], at: float | None = None) -> list[str]:
+        """One fault for each client, made ``at`` (a peer's, taken in late; None: now)."""
+        current = self._clock()
+        when, newly = current if at is None else at, []
         for client in set(clients):
             if not client:
                 continue
             times = self._faults.pop(client, None) or collections.deque()
-            times.append(now)
-            while times and now - times[0] > self.window_s:
+            times.append(when)
+            if len(times) > 1 and times[-2] > when:  # a peer's, older than one counted here
+                times = collections.deque(sorted(times))
+            while times and current - times[0] > self.window_s:
                 times.popleft()
             self._faults[client] = times
-            if self.max_faults and len(times) >= self.max_faults and self.refused_for(client) == 0:
-                self._refused_until[client] = now + self.cooldown_s
+            if self.max_faults and len(times) >= self.max_faults and self._left(client) == 0:
+                self._refused_until[client] = when + self.cooldown_s
                 newly.append(client)
         while len(self._faults) > self.max_clients:
             self._faults.popitem(last=False)
@@ -152,6 +156,9 @@ class ClientBudget:
         """Seconds ``client`` stays refused (0: it is served)."""
         if self.received:
             self._take_received()
+        return self._left(client)
+
+    def _left(self, client: str) -> float:
         until = self._refused_until.get(client)
         if until is None:
             return 0.0
@@ -163,7 +170,9 @@ class ClientBudget:
 
     def refused_count(self) -> int:
         """Clients refused now."""
-        return sum(1 for client in list(self._refused_until) if self.refused_for(client) > 0)
+        if self.received:
+            self._take_received()
+        return sum(1 for client in list(self._refused_until) if self._left(client) > 0)
 
     def check(self, client: str) -> None:
         """Raises:

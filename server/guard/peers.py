@@ -21,10 +21,13 @@ class Change:
         kind: ``strikes`` (one strike to each fingerprint), ``cleared`` (fingerprints forgotten; ``None``: all),
             ``client_faults`` (one fault charged to each client).
         values: the fingerprints or client keys.
+        at: when it was made (``time.monotonic()``, one clock for every process of the machine): a peer that
+            takes it in late counts it when it happened (windows, TTLs and cool-downs).
     """
 
     kind: str
     values: tuple[str | None, ...]
+    at: float
 
 
 class Peers(Protocol):
@@ -34,11 +37,16 @@ class Peers(Protocol):
         """Tell them of ``change`` (made here). Must not block the event loop."""
 
 
-class Received:
-    """Changes made by peers, not yet taken in (thread-safe: ``collections.deque``)."""
+#: Changes received and not yet taken in, at most; past it the oldest are dropped (a process that reads none
+#: of its state for that long, no request in between, keeps at most this many).
+RECEIVED_LIMIT = 4096
 
-    def __init__(self) -> None:
-        self._changes: collections.deque[Change] = collections.deque()
+
+class Received:
+    """Changes made by peers, not yet taken in (thread-safe: ``collections.deque``), at most ``limit``."""
+
+    def __init__(self, limit: int = RECEIVED_LIMIT) -> None:
+        self._changes: collections.deque[Change] = collections.deque(maxlen=limit)
 
     def add(self, change: Change) -> None:
         self._changes.append(change)
@@ -54,4 +62,4 @@ class Received:
         return taken
 
 
-__all__ = ["Change", "Peers", "Received"]
+__all__ = ["RECEIVED_LIMIT", "Change", "Peers", "Received"]

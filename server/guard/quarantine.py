@@ -136,7 +136,7 @@ class Quarantine:
     def _take_received(self) -> None:
         for change in self.received.take():
             if change.kind == "strikes":
-                self._strike(fp for fp in change.values if fp is not None)
+                self._strike((fp for fp in change.values if fp is not None), change.at)
             elif change.kind == "cleared":
                 for fp in change.values:
                     self._forget(fp)
@@ -146,15 +146,16 @@ class Quarantine:
         quarantined."""
         fingerprints = sorted(set(fingerprints))
         if self.peers is not None and fingerprints:
-            self.peers.publish(Change("strikes", tuple(fingerprints)))
+            self.peers.publish(Change("strikes", tuple(fingerprints), self._clock()))
         self._expire()
         return self._strike(fingerprints)
 
-    def _strike(self, fingerprints: Iterable[str]) -> list[str]:
-        now, newly = self._clock(), []
+    def _strike(self, fingerprints: Iterable[str], at: float | None = None) -> list[str]:
+        now, newly = self._clock() if at is None else at, []  # at: a peer's strike, taken in late
         for fp in set(fingerprints):
-            count = self._seen.pop(fp, (0, now))[0] + 1
-            self._seen[fp] = (count, now)
+            count, last = self._seen.pop(fp, (0, now))
+            self._seen[fp] = (count + 1, max(last, now))
+            count += 1
             if count == self.deaths:
                 newly.append(fp)
         while len(self._seen) > self.max_entries:
@@ -193,9 +194,9 @@ class Quarantine:
     def clear(self, fp: str | None = None) -> int:
         """Forget ``fp`` (or every fingerprint; peers too): it is served again. Returns how many were forgotten
         here."""
-        if self.peers is not None:
-            self.peers.publish(Change("cleared", (fp,)))
         self._expire()
+        if self.peers is not None and (fp is None or fp in self._seen):  # what no process knows is not sent
+            self.peers.publish(Change("cleared", (fp,), self._clock()))
         return self._forget(fp)
 
     def _forget(self, fp: str | None) -> int:

@@ -1,5 +1,6 @@
 """An API process's end of its control pipe to the owner (:mod:`server.scaleout.control`): one daemon thread reads
-it and hands each message to the handler registered for its type; sends are serialised."""
+it and hands each message to the handler registered for its type; another sends
+(:class:`~server.scaleout.outbox.Outbox`: a send never blocks the event loop)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,20 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from server.scaleout.outbox import Outbox
+
 logger = logging.getLogger("server.scaleout")
 
 
 class OwnerLink:
-    """Arguments:
-    conn: the API process's end of its pipe (duplex).
-
-    Handlers run on the reading thread; ``on_gone`` once, when the owner's end closes (the owner is gone)."""
+    """The API process's end of its pipe to the owner (duplex, ``conn``). Handlers run on the reading thread;
+    those given to :meth:`on_gone` once, when the owner's end closes (the owner is gone)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._gone: list[Callable[[], None]] = []
-        self._send_lock = threading.Lock()
+        self._outbox = Outbox(conn, "the owner")
         self._thread: threading.Thread | None = None
 
     def on(self, kind: type, handler: Callable[[Any], None]) -> None:
@@ -30,6 +31,7 @@ class OwnerLink:
         self._handlers[kind] = handler
 
     def on_gone(self, handler: Callable[[], None]) -> None:
+        """Call ``handler()`` once the owner is gone (its end of the pipe closed)."""
         self._gone.append(handler)
 
     def start(self) -> None:
@@ -37,12 +39,8 @@ class OwnerLink:
         self._thread.start()
 
     def send(self, message: object) -> None:
-        """Send ``message`` to the owner; a gone owner is not an error here (:meth:`on_gone` says so)."""
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-        except OSError:
-            pass
+        """Send ``message`` to the owner (never blocks; a gone owner is not an error here: :meth:`on_gone`)."""
+        self._outbox.put(message)
 
     def _read(self) -> None:
         while True:

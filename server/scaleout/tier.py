@@ -21,6 +21,7 @@ from server.guard.hold import RebuildPath
 from server.guard.spare import SpareKeeper
 from server.scaleout import api_process
 from server.scaleout.control import EngineDown, EngineUp, Progress, Shared, SparePath
+from server.scaleout.outbox import Outbox
 from server.scaleout.owner import EngineOwner, NotifyRelay, unsupported_reason
 from server.settings import GuardSettings
 
@@ -30,6 +31,8 @@ logger = logging.getLogger("server.scaleout")
 EXIT_STARTUP_FAILED, EXIT_ENGINE_FAILED, EXIT_API_PROCESS_ENDED = 3, 4, 5
 #: How often the loop looks at what has no file descriptor to wait on (spare, watchdog pings), seconds.
 TICK_S = 1.0
+#: Messages taken from one API process's pipe per wake of the loop, at most.
+FORWARD_AT_ONCE = 64
 
 
 def run(args: argparse.Namespace, settings: GuardSettings, sock: socket.socket, state_dir: str, count: int) -> int:
@@ -101,6 +104,7 @@ class Tier:
         self.relay = NotifyRelay(count, state_dir)
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
+        self.outboxes: list[Outbox] = []  # to each API process: sends never block the loop
         self._launch: threading.Thread | None = None
         self._launched: list[EngineUp] | BaseException | None = None
         self._next_launch_at = 0.0
@@ -123,6 +127,7 @@ class Tier:
             theirs.close()
             self.procs.append(proc)
             self.conns.append(mine)
+            self.outboxes.append(Outbox(mine, f"API process {index}"))
         logger.info("API processes started: %s", ", ".join(str(p.pid) for p in self.procs))
         # Each API process has its own descriptor of the socket now. Closed here, the socket closes with the
         # last API process's listener: a SIGTERM's drain refuses new connections, as one process's does.
@@ -142,9 +147,8 @@ class Tier:
         self._launch.start()
 
     def _send(self, messages: list[Any]) -> None:
-        for conn, message in zip(self.conns, messages, strict=True):
-            with contextlib.suppress(OSError):  # an API process that is gone: the loop sees its end
-                conn.send(message)
+        for outbox, message in zip(self.outboxes, messages, strict=True):
+            outbox.put(message)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -210,15 +214,22 @@ class Tier:
         self._checking.start()
 
     def _forward(self, conn: Connection) -> None:
-        """A message from an API process: a shared change or a progress note goes to every other one."""
+        """Messages from an API process (at most :data:`FORWARD_AT_ONCE` a wake: one that sends without end does
+        not hold the loop): a shared change goes to every other one, and so does a progress note, to those
+        that have read everything sent to them (a note is worth only its newest)."""
         with contextlib.suppress(EOFError, OSError):  # an API process that ended: the loop sees it
-            while conn.poll():
+            for _ in range(FORWARD_AT_ONCE):
+                if not conn.poll():
+                    return
                 message = conn.recv()
-                if isinstance(message, Shared | Progress):
-                    others = [c for c in self.conns if c is not conn]
-                    for other in others:
-                        with contextlib.suppress(OSError):
-                            other.send(message)
+                others = [o for c, o in zip(self.conns, self.outboxes, strict=True) if c is not conn]
+                if isinstance(message, Shared):
+                    for outbox in others:
+                        outbox.put(message)
+                elif isinstance(message, Progress):
+                    for outbox in others:
+                        if outbox.idle():
+                            outbox.put(message)
 
     def _launched_engine(self, first: bool) -> int | None:
         """A launch ended: announce the engine, or count the failure (a status when giving up)."""

@@ -34,12 +34,12 @@ def test_a_quarantine_publishes_its_changes_and_takes_in_its_peers_at_the_next_r
     mine, theirs = Quarantine(deaths=1, max_entries=10, ttl_s=60), Quarantine(deaths=1, max_entries=10, ttl_s=60)
     mine.peers = peers = Recorder()
     assert mine.record_death(["b", "a", "a"]) == ["a", "b"]
-    assert peers.changes == [Change("strikes", ("a", "b"))]
+    assert peers.changes == [Change("strikes", ("a", "b"), peers.changes[0].at)]
     for change in peers.changes:  # what the owner forwards
         theirs.received.add(change)
     assert not theirs.empty() and theirs.is_quarantined("a") and theirs.is_quarantined("b")
     mine.clear("a")
-    assert peers.changes[-1] == Change("cleared", ("a",))
+    assert peers.changes[-1] == Change("cleared", ("a",), peers.changes[-1].at)
     theirs.received.add(peers.changes[-1])
     assert not theirs.is_quarantined("a") and theirs.is_quarantined("b")
     mine.clear()
@@ -52,7 +52,7 @@ def test_a_client_budget_spent_through_one_process_is_spent_in_the_other() -> No
     mine, theirs = ClientBudget(2, 60, 30), ClientBudget(2, 60, 30)
     mine.peers = peers = Recorder()
     mine.charge(["key:a", ""])  # "" is nobody: not published, not counted
-    assert peers.changes == [Change("client_faults", ("key:a",))]
+    assert peers.changes == [Change("client_faults", ("key:a",), peers.changes[0].at)]
     mine.charge(["key:a"])
     for change in peers.changes:
         theirs.received.add(change)
@@ -62,7 +62,7 @@ def test_a_client_budget_spent_through_one_process_is_spent_in_the_other() -> No
 
 def test_changes_received_on_another_thread_are_taken_in_once() -> None:
     quarantine = Quarantine(deaths=2, max_entries=1000, ttl_s=60)
-    adders = [threading.Thread(target=lambda: [quarantine.received.add(Change("strikes", (f"fp{i}",)))
+    adders = [threading.Thread(target=lambda: [quarantine.received.add(Change("strikes", (f"fp{i}",), time.monotonic()))
                                                for i in range(500)]) for _ in range(2)]  # fmt: skip
     for adder in adders:
         adder.start()
@@ -108,6 +108,14 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def _taken(predicate: Any) -> None:
+    """Wait until the link's thread has handled what was sent (``predicate()`` true)."""
+    deadline = time.monotonic() + 5
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def _next(engines: Any, wait_s: float) -> EngineUp:
     engines.wait_s = wait_s
     started = time.monotonic()
@@ -127,15 +135,18 @@ def test_a_build_takes_the_announced_engine_while_it_lives_and_was_not_announced
     assert _next(engines, 5).generation == 1
     assert _next(engines, 5).generation == 1  # a build that failed its probe connects to the same engine again
     owner.send(EngineDown(1))
+    _taken(lambda: 1 in engines._down)
     with pytest.raises(TimeoutError):  # announced dead: nothing to build on
         _next(engines, 0.3)
     threading.Timer(0.2, lambda: owner.send(EngineUp(2, "/d2", (alive,)))).start()
     assert _next(engines, 5).generation == 2
     owner.send(EngineUp(3, "/d3", (dead,)))  # its engine core is gone, not yet announced (this process saw it)
+    _taken(lambda: engines._announced.generation == 3)
     with pytest.raises(TimeoutError):
         _next(engines, 0.8)
     owner.send(EngineDown(4))  # a death announced before its engine: that engine is never built
     owner.send(EngineUp(4, "/d4", (alive,)))
+    _taken(lambda: engines._announced.generation == 4)
     with pytest.raises(TimeoutError):
         _next(engines, 0.3)
     owner.close()
@@ -226,3 +237,32 @@ def test_an_api_process_sizes_its_rebuilds_by_the_owners_spare() -> None:
         time.sleep(0.01)
     assert spare.arm() is RebuildPath.SPARE  # the path the rebuild takes, measured under it
     owner.close()
+
+
+def test_a_send_to_a_process_that_reads_nothing_never_blocks_and_is_bounded() -> None:
+    """Hostile review: a SIGSTOPped API process stopped reading its pipe, the owner's send blocked, and with it
+    the owner's loop and then the other API process's event loop."""
+    from server.scaleout.outbox import Outbox
+
+    sender, _stopped = multiprocessing.Pipe()  # the receiving end is never read
+    outbox = Outbox(sender, "a stopped process", limit=100)
+    started = time.monotonic()
+    results = [outbox.put(b"x" * 100_000) for _ in range(300)]  # far more than a pipe buffer holds
+    assert time.monotonic() - started < 2
+    assert results.count(False) == outbox.dropped >= 100  # at most the limit waits (one more is in the send)
+
+
+def test_peers_changes_wait_bounded_and_count_when_they_were_made() -> None:
+    from server.guard.peers import Received
+
+    received = Received(limit=3)
+    for i in range(5):
+        received.add(Change("strikes", (f"fp{i}",), float(i)))
+    assert [c.values for c in received.take()] == [("fp2",), ("fp3",), ("fp4",)]  # the oldest dropped
+    now = [100.0]
+    budget = ClientBudget(2, window_s=10, cooldown_s=30, clock=lambda: now[0])
+    budget.received.add(Change("client_faults", ("key:a",), 85.0))  # a peer's, 15 s ago: out of the window
+    budget.charge(["key:a"])
+    assert budget.refused_for("key:a") == 0
+    budget.received.add(Change("client_faults", ("key:a",), 95.0))  # 5 s ago: in it, with this one
+    assert budget.refused_for("key:a") == 25.0  # refused from when that fault was made
