@@ -30,7 +30,8 @@ def run(args: argparse.Namespace, settings: GuardSettings) -> int:
 
     Returns:
         The exit status when the server stopped on its own: 3 when the engine never came up, 4 when it
-        could not be restarted, 0 otherwise. A SIGTERM/SIGINT does not return: after the shutdown the
+        could not be restarted, 5 when one of N API processes ended (:func:`server.scaleout.tier.run`), 0
+        otherwise. A SIGTERM/SIGINT does not return: after the shutdown the
         process ends by that signal (status 143 / 130), as uvicorn does.
     """
     from vllm.utils.system_utils import set_ulimit

@@ -136,8 +136,9 @@ class EngineOwner:
 
 class NotifyRelay:
     """systemd's notifications for N API processes: each gets a datagram socket of its own as ``NOTIFY_SOCKET``
-    (and the watchdog interval systemd gave the owner); the owner sends ``READY=1`` once every one sent it,
-    and ``WATCHDOG=1`` while every one pinged within systemd's interval. No-op outside systemd."""
+    (``WATCHDOG_USEC`` it inherits, so each pings at half systemd's interval, as one process does); the owner
+    sends ``READY=1`` once every one sent it, ``WATCHDOG=1`` while every one pinged within systemd's whole
+    interval, and API process 0's ``STATUS=``. No-op outside systemd."""
 
     def __init__(self, count: int, directory: str) -> None:
         self.notifier = Notifier()
@@ -181,6 +182,7 @@ class NotifyRelay:
         if interval is None or not self._readied:
             return
         now = time.monotonic()
+        # interval is half systemd's (the ping period): each API process pinged within systemd's whole interval
         if all(now - self.last_ping.get(i, 0.0) <= 2 * interval for i in range(len(self.sockets))):
             self.notifier.send("WATCHDOG=1")
 
