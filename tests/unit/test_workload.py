@@ -288,7 +288,10 @@ def test_the_overhead_scenarios_stock_side_runs_no_vlguard_plugin_but_the_tracer
     opts = CompareOptions(model="m", scenario="overhead", out=tmp_path)
     guarded, stock, twin = (system_server(system, opts) for system in SCENARIOS["overhead"])
     assert twin.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and twin.log_path != stock.log_path  # the A/A floor's twin
-    assert "server.workload.stock_serve" in " ".join(stock.argv)  # vLLM's serve subcommand
+    assert "vllm.entrypoints.openai.api_server" in " ".join(stock.argv)
+    from server.workload.servers import stock_command
+
+    assert "server.workload.stock_serve" in stock_command("m", "--api-server-count", "2")  # vllm serve's launcher
     assert stock.env["VLLM_PLUGINS"] == "vlguard_phase_trace" and ENV not in stock.env  # vLLM's own split cache
     # both sides traced, each to its own file; --no-trace: neither
     assert guarded.env["VLGUARD_PHASE_TRACE"] != stock.env["VLGUARD_PHASE_TRACE"]
