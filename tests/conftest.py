@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.docker_image import ImageBuild, docker_answers
+from tests.notify import NotifySocket
 from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire, vlguard_argv, wait_retired
 from tests.suites import marks_lane
 
@@ -206,6 +207,14 @@ def openai_client(server: ServerProcess):  # type: ignore[no-untyped-def]
 
     with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def notify(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifySocket]:
+    """A systemd notify socket for a module's own server (``NOTIFY_SOCKET``), closed after the module."""
+    sock = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
+    yield sock
+    sock.close()
 
 
 @pytest.fixture(scope="session")

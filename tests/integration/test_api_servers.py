@@ -44,13 +44,6 @@ FLAGS = (
 
 
 @pytest.fixture(scope="module")
-def notify(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifySocket]:
-    sock = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
-    yield sock
-    sock.close()
-
-
-@pytest.fixture(scope="module")
 def tier(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, notify: NotifySocket) -> Iterator[ServerProcess]:
     """Own launch, ended by SIGTERM in the module's last test; a systemd notify socket."""
     logs = tmp_path_factory.mktemp("logs")

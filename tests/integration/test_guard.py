@@ -65,13 +65,6 @@ def poison_ids(tiny_model: Path) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def notify(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NotifySocket]:
-    sock = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
-    yield sock
-    sock.close()
-
-
-@pytest.fixture(scope="module")
 def guarded(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, poison_ids: dict[str, list[int]], notify: NotifySocket
 ) -> Iterator[ServerProcess]:
