@@ -190,8 +190,8 @@ async def staged_batch(
 ) -> dict[tuple[str, str], Stream]:
     """Three waves of the matrix. The late (``SHORT`` tokens) and middle (``LONG``) waves start together
     and run in step; once the late wave has ``LATE_AT`` tokens the first wave starts, and the fault is made
-    once each of its rows sent its first token: the late wave is then near its end, the middle one in its
-    middle."""
+    once each of its rows sent its first token (or the late wave is 4 tokens from its end): the late wave is
+    then near its end, the middle one in its middle."""
     results: dict[tuple[str, str], Stream] = {}
     tasks: list[asyncio.Task[Stream]] = []
     async with httpx.AsyncClient(base_url=srv.url, timeout=WAIT_S) as client:
@@ -204,11 +204,21 @@ async def staged_batch(
 
         start("late")
         start("middle")
-        await until(results[("late", "greedy")], LATE_AT)
-        # Every row of the first wave has sent its first token: a stop-string stream then holds text back,
+        late = results[("late", "greedy")]
+        await until(late, LATE_AT)
+        firsts = start("first")
+        # The first wave's plain rows have sent their first token: a stop-string stream then holds text back,
         # which the fault's cut must not hand on (a CI run on 0.32 caught it when this row happened to).
-        for first in start("first"):
-            await until(first, 1)
+        for name in ("greedy", "stop"):
+            await until(results[("first", name)], 1)
+        # So has every other row, unless the late wave is about to end first: on a busy machine a structured
+        # row may still wait for its grammar (a CI run saw the late wave finish before the fault). A row cut
+        # before its first token is carried over as well.
+        every_first = asyncio.ensure_future(asyncio.gather(*(until(first, 1) for first in firsts)))
+        late_near_end = asyncio.ensure_future(until(late, SHORT - 4))
+        await asyncio.wait([every_first, late_near_end], return_when=asyncio.FIRST_COMPLETED)
+        every_first.cancel()
+        late_near_end.cancel()
         for s in results.values():
             s.at_fault = len(s.ids)
         await fault()
