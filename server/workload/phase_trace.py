@@ -33,10 +33,12 @@ points stamped by one thread with no wait between them (vlguard's input checks, 
 CPU a phase used, which its time does not give under load (it also counts waiting for the GIL while the
 processor's threads hold it). A
 point vLLM does not have under that name, or not as the kind of function wrapped, is skipped with a
-warning. The cost is a few microseconds a point, and one more async-generator step per output through a
-wrapped engine client: vlguard's side has four more points than stock's (its door and its engine client),
-so the tracer costs it slightly more (``vlguard bench compare --no-trace`` measures without it). Only the
-API process of a server is traced (with ``--api-server-count`` above 1 there is none: nothing is traced).
+warning. A traced request's points are noted in memory and written as its response ends (a phase does not
+count the writing of the point that opens it); a traced stream passes through one more async-generator step
+per item. An untraced request pays a few microseconds a wrapped call and no step per item, so the rounds
+that compare CPU do not charge vlguard's four more points (its door and its engine client) for more than
+that (``vlguard bench compare --no-trace`` measures without any). Only the API process of a server is
+traced (with ``--api-server-count`` above 1 there is none: nothing is traced).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ _CONTENT_BYTES = re.compile(_CONTENT.pattern.encode())  # the same, in a respons
 logger = logging.getLogger("vllm.vlguard.phase_trace")
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("vlguard_phase_trace_id", default=None)
 _sink: IO[str] | None = None
+_pending: list[tuple[str, str, float, float, int]] = []  # points noted and not yet written
+_FLUSH_AT = 10_000
 
 
 def trace_id() -> str:
@@ -93,11 +97,24 @@ def request_id_of(*values: Any) -> str | None:
 
 
 def stamp(rid: str | None, point: str) -> None:
-    """Append one point of request ``rid`` (nothing when the request is not traced): its time, and the
-    stamping thread's CPU time and identity."""
+    """Note one point of request ``rid`` (nothing when the request is not traced): its time, and the
+    stamping thread's CPU time and identity. Kept in memory until :func:`flush` (the ASGI point flushes as
+    a traced response ends), so that a phase does not count the writing of the point that opens it."""
     if rid is not None and _sink is not None:
-        event = {"id": rid, "point": point, "t": time.monotonic(), "cpu": time.thread_time(), "tid": get_ident()}
-        _sink.write(json.dumps(event) + "\n")
+        _pending.append((rid, point, time.monotonic(), time.thread_time(), get_ident()))
+        if len(_pending) >= _FLUSH_AT:  # a bound on memory where no response ends
+            flush()
+
+
+def flush() -> None:
+    """Write every point noted so far to the trace file."""
+    if _sink is None or not _pending:
+        return
+    events, _pending[:] = list(_pending), []
+    _sink.write("".join(
+        json.dumps({"id": rid, "point": point, "t": t, "cpu": cpu, "tid": tid}) + "\n"
+        for rid, point, t, cpu, tid in events
+    ))  # fmt: skip
 
 
 def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any], from_context: bool) -> str | None:
@@ -117,10 +134,13 @@ def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
 
         async def traced_send(message: Any) -> None:
             nonlocal sent
-            body = message.get("body", b"") if message.get("type") == "http.response.body" else b""
+            is_body = message.get("type") == "http.response.body"
+            body = message.get("body", b"") if is_body else b""
             if not sent and _CONTENT_BYTES.search(body):
                 sent = True
                 stamp(rid, "sent")
+            if is_body and not message.get("more_body", False):
+                flush()  # every point of the request is noted: written before the client has its end
             await send(message)
 
         token = _current.set(rid)
@@ -128,6 +148,7 @@ def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
             return await call(app, scope, receive, traced_send)
         finally:
             _current.reset(token)
+            flush()
 
     return traced
 
@@ -152,19 +173,28 @@ def _traced_call(
 
 
 def _traced_stream(start: str | None, first: str, is_first: Callable[[Any], bool]) -> Callable[..., Any]:
+    """A wrapper of an async generator function: a traced request's stream passes through a generator that
+    stamps ``start`` (at its first step) and ``first``; any other request gets the stream itself, so an
+    untraced request pays no step per item for the wrapper (a server with more points wrapped, vlguard's,
+    would pay more than stock in the rounds that compare their CPU)."""
+
     def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(call)
-        async def traced(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            rid = _args_id(args, kwargs, from_context=False)
+        async def traced_items(rid: str, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
             if start:
                 stamp(rid, start)
             pending = True
-            async with contextlib.aclosing(call(*args, **kwargs)) as items:
+            async with contextlib.aclosing(items):  # type: ignore[type-var]  # an async generator
                 async for item in items:
                     if pending and is_first(item):
                         pending = False
                         stamp(rid, first)
                     yield item
+
+        @functools.wraps(call)
+        def traced(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            rid = _args_id(args, kwargs, from_context=False)
+            items = call(*args, **kwargs)
+            return items if rid is None else traced_items(rid, items)
 
         return traced
 

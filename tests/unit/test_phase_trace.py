@@ -21,6 +21,7 @@ def sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = tmp_path / "trace.jsonl"
     with path.open("a", buffering=1, encoding="utf-8") as file:
         monkeypatch.setattr(phase_trace, "_sink", file)
+        monkeypatch.setattr(phase_trace, "_pending", [])
         yield path
 
 
@@ -63,6 +64,29 @@ async def test_the_asgi_point_and_the_first_content_body_sent_are_stamped_once(s
     assert seen == [rid, None]  # what the app awaits sees the request's id
 
 
+async def test_a_traced_requests_points_are_written_before_its_last_body_is_handed_on(sink: Path) -> None:
+    rid = phase_trace.trace_id()
+    written_at_end: list[str] = []
+
+    def written() -> str:
+        return sink.read_text()
+
+    async def app(_self: Any, scope: Any, receive: Any, send: Any) -> None:
+        phase_trace.stamp(rid, "handler")
+        await send({"type": "http.response.body", "body": b'data: {"content":"a"}', "more_body": True})
+        assert written() == ""  # noted in memory while the request runs
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def send(message: Any) -> None:
+        if not message.get("more_body", False):
+            written_at_end.append(written())
+
+    scope = {"type": "http", "headers": [(b"x-request-id", rid.encode())]}
+    await phase_trace._traced_asgi(app)(None, scope, None, send)
+    assert written_at_end and list(phase_trace.read(sink)[rid]) == ["asgi", "handler", "sent"]
+    assert [line.count(rid) for line in written_at_end[0].splitlines()] == [1, 1, 1]
+
+
 async def test_a_stream_stamps_its_start_and_first_matching_item_and_closes_the_wrapped_one(sink: Path) -> None:
     rid = phase_trace.trace_id()
     closed = []
@@ -79,7 +103,11 @@ async def test_a_stream_stamps_its_start_and_first_matching_item_and_closes_the_
     assert [await anext(items), await anext(items)] == ['data: {"content":""}', 'data: {"content":"a"}']
     await items.aclose()  # the client went away: the wrapped stream is closed too (vLLM aborts there)
     assert closed == [f"chatcmpl-{rid}"]
+    phase_trace.flush()
     assert list(phase_trace.read(sink)[rid]) == ["submit", "chunk"]
+    untraced = traced(None, "prompt", None, "chatcmpl-abc")
+    assert untraced.ag_code is generate.__code__  # the stream itself: no step of the wrapper's per item
+    await untraced.aclose()
 
 
 async def test_a_call_finds_the_id_of_the_request_it_serves_through_the_context(sink: Path) -> None:
@@ -98,6 +126,7 @@ async def test_a_call_finds_the_id_of_the_request_it_serves_through_the_context(
         assert await phase_trace._traced_call("submit", None)(generate)(None, "p", "vlguard-probe-1") == "generated"
     finally:
         phase_trace._current.reset(token)
+    phase_trace.flush()
     assert list(phase_trace.read(sink)[rid]) == ["rendered"]
 
 
@@ -125,6 +154,7 @@ def test_install_wraps_the_points_it_finds_as_expected_and_skips_the_rest(
     monkeypatch.setattr(phase_trace, "_POINTS", points)
     monkeypatch.setattr(phase_trace, "_GUARD_POINTS", ())  # nothing real wrapped in the test process
     monkeypatch.setattr(phase_trace, "_sink", None)
+    monkeypatch.setattr(phase_trace, "_pending", [])
     path = tmp_path / "t.jsonl"
     try:
         assert phase_trace.install(str(path)) == ["fake_serving.Serving.handle"]  # the others skipped
@@ -137,6 +167,7 @@ def test_install_wraps_the_points_it_finds_as_expected_and_skips_the_rest(
 
         assert asyncio.run(Serving().handle(Request())) == "handled"
     finally:
+        phase_trace.flush()
         assert phase_trace._sink is not None
         phase_trace._sink.close()
     assert list(phase_trace.read(path)[rid]) == ["handler"]
@@ -199,12 +230,15 @@ def test_vlguards_own_phases_cpu_is_the_stamping_threads_cpu_between_their_point
     path = tmp_path / "trace.jsonl"
     with path.open("a", encoding="utf-8") as sink:
         monkeypatch.setattr(phase_trace, "_sink", sink)
+        monkeypatch.setattr(phase_trace, "_pending", [])
         phase_trace.stamp("phase-1", "checks")
         spin = phase_trace.time.thread_time() + 0.02
         while phase_trace.time.thread_time() < spin:  # 20 ms of this thread's CPU
             pass
         phase_trace.time.sleep(0.05)  # 50 ms of waiting: time, no CPU
         phase_trace.stamp("phase-1", "checked")
+        assert path.read_text() == ""  # noted, not yet written: no phase counts the writing
+        phase_trace.flush()
     rec = Record(0, "primary", True, 0.0, 0.2, ttft_s=0.1, ok=True, trace_id="phase-1", sent_at=0.0)
     wall = report.trace_phases_ms([rec], phase_trace.read(path))["door: vlguard's input checks"]["p50"]
     cpu_times = phase_trace.read_cpu(path)
