@@ -13,24 +13,40 @@ from typing import Any
 from server.vllm_hooks import HookTargetMissing, wrap
 
 
-def wrap_method(module: str, cls: str, method: str, make: Callable[[Any], Any], stream: bool) -> str:
-    """Replace ``module.cls.method`` (defined on that class itself) by ``make(original)``, once per process.
+def wrap_method(module: str, cls: str | None, method: str, make: Callable[[Any], Any], stream: bool | None) -> str:
+    """Replace ``module.cls.method`` (defined on that class itself; ``module.method`` when ``cls`` is None)
+    by ``make(original)``, once per process.
 
     Arguments:
-        stream: the method must be an async generator function (else a coroutine function).
+        stream: the method must be an async generator function (True), a coroutine function (False) or a
+            plain function (None).
 
     Returns:
         ``module.cls.method``.
     Raises:
         HookTargetMissing: the class or method is not there, or not the kind of function expected.
     """
-    where = f"{module}.{cls}.{method}"
+    where = f"{module}.{cls}.{method}" if cls is not None else f"{module}.{method}"
     try:
-        owner = getattr(importlib.import_module(module), cls)
+        loaded = importlib.import_module(module)
+        owner = getattr(loaded, cls) if cls is not None else loaded
         original = owner.__dict__[method]
     except (ImportError, AttributeError, KeyError) as exc:
         raise HookTargetMissing(f"{where} not found") from exc
-    if not (inspect.isasyncgenfunction if stream else inspect.iscoroutinefunction)(original):
+    if not _KINDS[stream](original):
         raise HookTargetMissing(f"{where} is not the kind of function expected")
     wrap(owner, method, make, where)
     return where
+
+
+def _plain(function: Any) -> bool:
+    return inspect.isfunction(function) and not (
+        inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function)
+    )
+
+
+_KINDS: dict[bool | None, Callable[[Any], bool]] = {
+    True: inspect.isasyncgenfunction,
+    False: inspect.iscoroutinefunction,
+    None: _plain,
+}

@@ -304,7 +304,8 @@ def run(
         traces = [_file(out, "vlguard", i, count, "-trace.jsonl") for i in range(count)]  # a request is one process's
         events = {rid: points for path in traces for rid, points in phase_trace.read(path).items()}
         phases = report.trace_phases_ms(traced.records, events)
-        result.own_ms = {name: phases[name] for name in report.GUARD_OWN_PHASES if name in phases}
+        mine = (*report.GUARD_OWN_PHASES, *report.GUARD_MOVED_PHASES)
+        result.own_ms = {name: phases[name] for name in mine if name in phases}
         cpu = {rid: points for path in traces for rid, points in phase_trace.read_cpu(path).items()}
         result.own_cpu_ms = report.own_cpu_ms(traced.records, cpu)
         result.api_servers = count
@@ -384,6 +385,9 @@ def summary_lines(result: FrontResult) -> list[str]:
     if result.own_cpu_ms:
         lines.append("  the same phases' CPU (thread CPU time, p50 / mean ms): " + ", ".join(
             f"{name} {v['p50']:.3f} / {v['mean']:.3f}" for name, v in result.own_cpu_ms.items()))  # fmt: skip
+        own, moved = report.added_p50(result.own_cpu_ms)
+        lines.append(f"  vlguard's own code, CPU (sum of p50s): {own:.3f} ms; of it vLLM's work done once in "
+                     f"vlguard's code instead {moved:.3f}; added by vlguard {own - moved:.3f}")  # fmt: skip
     return lines
 
 

@@ -209,14 +209,35 @@ def _has_content(chunk: Any) -> bool:
     return isinstance(chunk, str) and _CONTENT.search(chunk) is not None
 
 
+def _traced_sync(start: str, end: str) -> Callable[..., Any]:
+    """A wrapper of a plain function called while a request is served: ``start`` and ``end`` around it
+    (nothing when it raises), for the request being served (the context's)."""
+
+    def wrap(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            rid = _current.get()
+            if rid is None:
+                return call(*args, **kwargs)
+            stamp(rid, start)
+            result = call(*args, **kwargs)
+            stamp(rid, end)
+            return result
+
+        return traced
+
+    return wrap
+
+
 class _Point(NamedTuple):
-    """A method to wrap: ``module.cls.method``, an async generator function when ``stream`` (else a
-    coroutine function), and its wrapper."""
+    """A function to wrap: ``module.cls.method`` (``module.method`` when ``cls`` is None), an async
+    generator function when ``stream``, a coroutine function when False, a plain function when None; and
+    its wrapper."""
 
     module: str
-    cls: str
+    cls: str | None
     method: str
-    stream: bool
+    stream: bool | None
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
@@ -247,6 +268,10 @@ _GUARD_POINTS = (
         True,
         _traced_stream("guard", "guard_out", _any),
     ),
+    # Inside those: work vLLM's own path does elsewhere, done by vlguard instead (the body's one parse,
+    # which vLLM's route takes; the sender half of the engine core's image cache, vLLM's renderer's)
+    _Point("server.api.input_guard", None, "_parse_json", None, _traced_sync("parse", "parsed")),
+    _Point("server.guard.ipc_cache", "EngineCacheShadow", "strip", None, _traced_sync("strip", "stripped")),
 )
 
 

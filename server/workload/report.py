@@ -219,12 +219,25 @@ GUARD_TRACE_PHASES = (
     ("submit: to vlguard's client", "rendered", "guard"),
     ("submit: vlguard's client", "guard", "submit"),
     ("serve: vlguard's client", "output", "guard_out"),
+    ("door: of it, the body's parse", "parse", "parsed"),
+    ("submit: of it, the image cache", "strip", "stripped"),
 )
 
 
 #: the phases that are vlguard's own code on a request's way to its first token (no waiting on the client
 #: or the engine in them): its input checks, its engine client on the way in and on the way out
 GUARD_OWN_PHASES = ("door: vlguard's input checks", "submit: vlguard's client", "serve: vlguard's client")
+#: the parts of those that are work vLLM's own path does elsewhere, done once by vlguard's code instead: the
+#: body's parse (vLLM's route takes the door's instead of parsing again) and the sender half of the engine
+#: core's image cache (vLLM's renderer keeps it; vlguard's renderer does not, its engine client does)
+GUARD_MOVED_PHASES = ("door: of it, the body's parse", "submit: of it, the image cache")
+
+
+def added_p50(phases: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """``(own, moved)``: the sums of the p50 ms of :data:`GUARD_OWN_PHASES` and of
+    :data:`GUARD_MOVED_PHASES` among ``phases``; ``own - moved`` is what vlguard adds to vLLM's path."""
+    own = sum(phases[name]["p50"] for name in GUARD_OWN_PHASES if name in phases)
+    return own, sum(phases[name]["p50"] for name in GUARD_MOVED_PHASES if name in phases)
 
 
 def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -250,11 +263,13 @@ def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float
 
 
 def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, int]]]) -> dict[str, dict[str, float]]:
-    """The CPU each of :data:`GUARD_OWN_PHASES` used per streamed, successful request: its thread's CPU
+    """The CPU each of :data:`GUARD_OWN_PHASES` (and :data:`GUARD_MOVED_PHASES`) used per streamed,
+    successful request: its thread's CPU
     time between the phase's points, where one thread stamped both (``cpu``:
     :func:`server.workload.phase_trace.read_cpu`): ``{phase: {"p50": ms, "mean": ms, "n": requests}}``.
     Unlike the phase's time, it leaves out waiting for the GIL."""
-    bounds = {name: (start, end) for name, start, end in GUARD_TRACE_PHASES if name in GUARD_OWN_PHASES}
+    mine = (*GUARD_OWN_PHASES, *GUARD_MOVED_PHASES)
+    bounds = {name: (start, end) for name, start, end in GUARD_TRACE_PHASES if name in mine}
     spans: dict[str, list[float]] = {}
     for rec in records:
         points = cpu.get(rec.trace_id or "")
@@ -263,7 +278,7 @@ def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, 
         for name, (start, end) in bounds.items():
             if start in points and end in points and points[start][1] == points[end][1]:
                 spans.setdefault(name, []).append(1000.0 * (points[end][0] - points[start][0]))
-    return _summaries(spans, GUARD_OWN_PHASES)
+    return _summaries(spans, mine)
 
 
 def _summaries(spans: dict[str, list[float]], names: Iterable[str]) -> dict[str, dict[str, float]]:

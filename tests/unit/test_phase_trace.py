@@ -247,3 +247,39 @@ def test_vlguards_own_phases_cpu_is_the_stamping_threads_cpu_between_their_point
     at, thread = cpu_times["phase-1"]["checked"]
     cpu_times["phase-1"]["checked"] = (at, thread + 1)  # stamped by another thread: no CPU figure
     assert report.own_cpu_ms([rec], cpu_times) == {}
+
+
+def test_a_plain_function_is_stamped_for_the_request_served_and_passed_through_otherwise(
+    sink: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vlguard's parse and image-cache strip: plain functions, stamped for the request in the context."""
+    module = types.ModuleType("fake_door")
+
+    def parse(raw: bytes) -> dict[str, bytes]:
+        return {"parsed": raw}
+
+    async def check(raw: bytes) -> None:
+        return None
+
+    module.parse, module.check = parse, check  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_door", module)
+    assert phase_trace.bench.wrap_method("fake_door", None, "parse", phase_trace._traced_sync("parse", "parsed"), None)
+    assert module.parse(b"x") == {"parsed": b"x"}  # no request served: nothing noted
+    rid = phase_trace.trace_id()
+    token = phase_trace._current.set(rid)
+    try:
+        assert module.parse(b"y") == {"parsed": b"y"}
+    finally:
+        phase_trace._current.reset(token)
+    phase_trace.flush()
+    assert list(phase_trace.read(sink)) == [rid] and list(phase_trace.read(sink)[rid]) == ["parse", "parsed"]
+    with pytest.raises(phase_trace.HookTargetMissing, match="not the kind"):  # a coroutine function is not plain
+        phase_trace.bench.wrap_method("fake_door", None, "check", phase_trace._traced_sync("a", "b"), None)
+
+
+def test_the_moved_work_is_told_from_what_vlguard_adds() -> None:
+    phases = {name: {"p50": 0.1, "mean": 0.1, "n": 1} for name in report.GUARD_OWN_PHASES}
+    phases[report.GUARD_MOVED_PHASES[0]] = {"p50": 0.04, "mean": 0.04, "n": 1}
+    own, moved = report.added_p50(phases)
+    assert (own, moved) == (pytest.approx(0.3), pytest.approx(0.04))
+    assert report.added_p50({}) == (0, 0)
