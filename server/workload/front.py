@@ -304,7 +304,7 @@ def run(
         traces = [_file(out, "vlguard", i, count, "-trace.jsonl") for i in range(count)]  # a request is one process's
         events = {rid: points for path in traces for rid, points in phase_trace.read(path).items()}
         phases = report.trace_phases_ms(traced.records, events)
-        mine = (*report.GUARD_OWN_PHASES, *report.GUARD_MOVED_PHASES)
+        mine = (*report.GUARD_OWN_PHASES, *report.GUARD_INNER_PHASES)
         result.own_ms = {name: phases[name] for name in mine if name in phases}
         cpu = {rid: points for path in traces for rid, points in phase_trace.read_cpu(path).items()}
         result.own_cpu_ms = report.own_cpu_ms(traced.records, cpu)

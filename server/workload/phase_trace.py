@@ -268,8 +268,8 @@ _GUARD_POINTS = (
         True,
         _traced_stream("guard", "guard_out", _any),
     ),
-    # Inside those: work vLLM's own path does elsewhere, done by vlguard instead (the body's one parse,
-    # which vLLM's route takes; the sender half of the engine core's image cache, vLLM's renderer's)
+    # Inside those: the body's one parse (vLLM's route takes the door's instead of parsing it again) and
+    # the engine core's image cache shadow (server.workload.report.GUARD_MOVED_PHASES says which is moved)
     _Point("server.api.input_guard", None, "_parse_json", None, _traced_sync("parse", "parsed")),
     _Point("server.guard.ipc_cache", "EngineCacheShadow", "strip", None, _traced_sync("strip", "stripped")),
 )
