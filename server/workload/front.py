@@ -15,7 +15,10 @@ of its processes').
 Each round sends the same block of two-pass pairs (images included, half the requests streamed) to each
 process in turn, in an order that rotates every round, and reads the process's CPU time (user + system,
 every thread) before and after: CPU per request. The ratio vlguard/stock-a and stock-b/stock-a are given
-per round and as a 90 % t interval of their geometric mean over the rounds. vlguard's own code per
+per round and as a 90 % t interval of their geometric mean over the rounds; the same for the event-loop
+threads' part of it (each process's main thread, where uvicorn, the routes and vlguard's door and engine
+client run), apart from vLLM's worker threads (Hugging Face preprocessing, media loading), whose work is
+the same in both systems and whose CPU moves most between two stock processes. vlguard's own code per
 request comes from the phase trace (:mod:`server.workload.phase_trace`) in its process, over
 :data:`TRACED_BLOCKS` more blocks sent to it after the rounds: every process carries the tracer's
 wrappers, and the rounds send no trace ids, so no system pays for writing a trace in the CPU compared.
@@ -217,24 +220,39 @@ class FrontResult:
     own_cpu_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     rps: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
     api_servers: int = 1  # API processes per system
+    #: the event-loop threads' part of ``cpu_ms`` (each process's main thread: uvicorn's loop, where the
+    #: front's own code runs); the rest is vLLM's worker threads (Hugging Face preprocessing, media loading)
+    loop_cpu_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
 
     def ratio(self, a: str, b: str, of: str = "cpu_ms") -> tuple[float, tuple[float, float]]:
         """The geometric mean of ``a``/``b`` over the rounds, and its 90 % t interval (``of``: ``cpu_ms``,
-        CPU per request, or ``rps``, requests served per second)."""
+        CPU per request, ``loop_cpu_ms``, its event-loop threads' part, or ``rps``, requests served per
+        second)."""
         figures: dict[str, list[float]] = getattr(self, of)
         per_round = [x / y for x, y in zip(figures[a], figures[b], strict=True) if y > 0]
         mean = math.exp(float(np.mean(np.log(per_round)))) if per_round else math.nan
         return mean, report.pair_interval(per_round, log=True)
 
-    def added_ms(self, a: str, b: str) -> tuple[float, tuple[float, float]]:
-        """The mean of ``a`` - ``b`` CPU ms per request over the rounds, and its 90 % t interval."""
-        diffs = [x - y for x, y in zip(self.cpu_ms[a], self.cpu_ms[b], strict=True)]
+    def added_ms(self, a: str, b: str, of: str = "cpu_ms") -> tuple[float, tuple[float, float]]:
+        """The mean of ``a`` - ``b`` CPU ms per request over the rounds (``of``: ``cpu_ms`` or
+        ``loop_cpu_ms``), and its 90 % t interval."""
+        figures: dict[str, list[float]] = getattr(self, of)
+        diffs = [x - y for x, y in zip(figures[a], figures[b], strict=True)]
         return float(np.mean(diffs)), report.pair_interval(diffs)
 
 
-def _process_cpu_s(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
+def _process_cpu_s(pid: int) -> tuple[float, float]:
+    """``(all threads, main thread)`` CPU seconds of process ``pid`` (its main thread's id is its pid)."""
+    process = psutil.Process(pid)
+    times = process.cpu_times()
+    main = next((t.user_time + t.system_time for t in process.threads() if t.id == pid), math.nan)
+    return float(times.user + times.system), float(main)
+
+
+def _cpu_s(procs: list[subprocess.Popen[bytes]]) -> tuple[float, float]:
+    """``(all threads, main threads)`` CPU seconds of a system's processes."""
+    each = [_process_cpu_s(proc.pid) for proc in procs]
+    return sum(total for total, _ in each), sum(main for _, main in each)
 
 
 def run(
@@ -268,7 +286,7 @@ def run(
         result = FrontResult({s: [] for s in SYSTEMS}, {s: 0 for s in SYSTEMS}, {s: [] for s in SYSTEMS})
         for r in range(warmup + rounds):
             for system in report.rotation(SYSTEMS, r):
-                before = sum(_process_cpu_s(proc.pid) for proc in procs[system])
+                before, loop_before = _cpu_s(procs[system])
                 done = asyncio.run(
                     generator.run(
                         urls[system],
@@ -280,9 +298,10 @@ def run(
                         progress=progress,
                     )
                 )
-                used = sum(_process_cpu_s(proc.pid) for proc in procs[system]) - before
+                after, loop_after = _cpu_s(procs[system])
                 if r >= warmup:
-                    result.cpu_ms[system].append(1000.0 * used / max(1, len(done.records)))
+                    result.cpu_ms[system].append(1000.0 * (after - before) / max(1, len(done.records)))
+                    result.loop_cpu_ms[system].append(1000.0 * (loop_after - loop_before) / max(1, len(done.records)))
                     result.rps[system].append(sum(rec.ok for rec in done.records) / max(done.wall_s, 1e-9))
                     result.failed[system] += sum(not rec.ok for rec in done.records)
                     result.records[system] += done.records
@@ -372,6 +391,16 @@ def summary_lines(result: FrontResult) -> list[str]:
         added, (dlow, dhigh) = result.added_ms(a, b)
         lines.append(f"{what:18} CPU per request ratio {ratio:.3f} (90 % interval {low:.3f}-{high:.3f}); "
                      f"added {added:+.2f} ms ({dlow:+.2f} to {dhigh:+.2f})")  # fmt: skip
+    if all(result.loop_cpu_ms[system] for system in SYSTEMS):
+        for system in SYSTEMS:
+            loop, rest = np.median(result.loop_cpu_ms[system]), np.median(result.cpu_ms[system])
+            lines.append(f"{system:8} event-loop thread CPU per request: median {loop:.2f} ms "
+                         f"(the rest, vLLM's worker threads: {rest - loop:.2f})")  # fmt: skip
+        for a, b, what in (("vlguard", "stock-a", "vlguard/stock"), ("stock-b", "stock-a", "A/A (stock/stock)")):
+            ratio, (low, high) = result.ratio(a, b, of="loop_cpu_ms")
+            added, (dlow, dhigh) = result.added_ms(a, b, of="loop_cpu_ms")
+            lines.append(f"{what:18} event-loop CPU ratio {ratio:.3f} (90 % interval {low:.3f}-{high:.3f}); "
+                         f"added {added:+.2f} ms ({dlow:+.2f} to {dhigh:+.2f})")  # fmt: skip
     each = f" ({result.api_servers} API processes)" if result.api_servers > 1 else ""
     for system in SYSTEMS:
         rps = np.median(result.rps[system])

@@ -313,6 +313,28 @@ def test_front_ratio_and_added_cpu_come_from_paired_rounds() -> None:
     # the front's throughput the same way: requests served per second of each block
     result.rps = {"stock-a": [40.0, 50.0], "vlguard": [36.0, 45.0]}
     assert result.ratio("vlguard", "stock-a", of="rps")[0] == pytest.approx(0.9)
+    # and the event-loop threads' part of the CPU
+    result.loop_cpu_ms = {"stock-a": [3.0, 4.0], "vlguard": [3.3, 4.0]}
+    assert result.added_ms("vlguard", "stock-a", of="loop_cpu_ms")[0] == pytest.approx(0.15)
+
+
+def test_a_process_cpu_is_split_into_its_main_thread_and_the_rest() -> None:
+    """The front scenario reads a server's event-loop thread (its main thread) apart from vLLM's workers."""
+    import subprocess as sp
+    import sys as system
+
+    from server.workload.front import _cpu_s
+
+    spin = "import threading,time\ndef s():\n  t=time.thread_time()+0.3\n  while time.thread_time()<t: pass\n"
+    code = spin + "th=threading.Thread(target=s); th.start(); th.join(); print('done', flush=True); time.sleep(30)"
+    proc = sp.Popen([system.executable, "-c", code], stdout=sp.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"done\n"
+        total, main = _cpu_s([proc])
+        assert total - main >= 0.3 and main < total  # the spinning worker thread is not the main thread
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_front_takes_the_api_server_count_out_of_the_serve_flags() -> None:
