@@ -67,7 +67,9 @@ _CONTENT = re.compile(r'"content":"[^"]')  # a chunk whose delta has text (what 
 _CONTENT_BYTES = re.compile(_CONTENT.pattern.encode())  # the same, in a response body
 
 logger = logging.getLogger("vllm.vlguard.phase_trace")
+#: the trace id of the request being served; :data:`_UNTRACED` while serving one that carries none
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("vlguard_phase_trace_id", default=None)
+_UNTRACED = ""
 _sink: IO[str] | None = None
 _pending: list[tuple[str, str, float, float, int]] = []  # points noted and not yet written
 _FLUSH_AT = 10_000
@@ -85,7 +87,7 @@ def request_id_of(*values: Any) -> str | None:
         if isinstance(value, str):
             found = _ID.search(value)
         elif isinstance(value, dict) and "headers" in value:
-            header = dict(value["headers"]).get(b"x-request-id", b"")
+            header = next((v for k, v in value["headers"] if k == b"x-request-id"), b"")
             found = _ID.search(header.decode("latin-1"))
         elif (headers := getattr(value, "headers", None)) is not None and hasattr(headers, "get"):
             found = _ID.search(headers.get("x-request-id") or "")
@@ -119,16 +121,26 @@ def flush() -> None:
 
 def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any], from_context: bool) -> str | None:
     """The trace id of a method call: in its arguments (``self`` left out), else, for ``from_context``
-    points (calls that carry no request of their own), the id of the request being served."""
-    return request_id_of(*args[1:], *kwargs.values()) or (_current.get() if from_context else None)
+    points (calls that carry no request of their own), the id of the request being served. None at once
+    while serving an untraced request (what the rounds that compare CPU send)."""
+    current = _current.get()
+    if current == _UNTRACED:
+        return None
+    return request_id_of(*args[1:], *kwargs.values()) or (current if from_context else None)
 
 
 def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     async def traced(app: Any, scope: Any, receive: Any, send: Any) -> None:
-        rid = request_id_of(scope) if scope.get("type") == "http" else None
-        if rid is None:
-            return await call(app, scope, receive, send)
+        if _current.get() is not None or scope.get("type") != "http":  # an app inside a served request's app
+            return await call(app, scope, receive, send)  # (vlguard's shell hands on to vLLM's): passed
+        rid = request_id_of(scope)
+        if rid is None:  # every point inside passes at once
+            token = _current.set(_UNTRACED)
+            try:
+                return await call(app, scope, receive, send)
+            finally:
+                _current.reset(token)
         stamp(rid, "asgi")
         sent = False
 
@@ -217,7 +229,7 @@ def _traced_sync(start: str, end: str) -> Callable[..., Any]:
         @functools.wraps(call)
         def traced(*args: Any, **kwargs: Any) -> Any:
             rid = _current.get()
-            if rid is None:
+            if not rid:  # no request, or an untraced one
                 return call(*args, **kwargs)
             stamp(rid, start)
             result = call(*args, **kwargs)

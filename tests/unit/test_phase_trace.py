@@ -61,7 +61,7 @@ async def test_the_asgi_point_and_the_first_content_body_sent_are_stamped_once(s
     events = phase_trace.read(sink)
     assert list(events) == [rid] and list(events[rid]) == ["asgi", "sent"]
     assert len(sent) == 10 and phase_trace._current.get() is None
-    assert seen == [rid, None]  # what the app awaits sees the request's id
+    assert seen == [rid, ""]  # what the app awaits sees the request's id, or that it carries none
 
 
 async def test_a_traced_requests_points_are_written_before_its_last_body_is_handed_on(sink: Path) -> None:
@@ -108,6 +108,44 @@ async def test_a_stream_stamps_its_start_and_first_matching_item_and_closes_the_
     untraced = traced(None, "prompt", None, "chatcmpl-abc")
     assert untraced.ag_code is generate.__code__  # the stream itself: no step of the wrapper's per item
     await untraced.aclose()
+
+
+async def test_an_app_inside_a_served_request_and_points_inside_an_untraced_one_pass_at_once(sink: Path) -> None:
+    """vlguard's shell hands a request on to vLLM's app: only the outer app is a point (its "sent" is
+    where the HTTP server gets the body); inside an untraced request no point reads its arguments."""
+    rid = phase_trace.trace_id()
+    inner_sends: list[Any] = []
+
+    async def inner(_self: Any, scope: Any, receive: Any, send: Any) -> None:
+        inner_sends.append(send)
+        await send({"type": "http.response.body", "body": b'data: {"content":"a"}', "more_body": False})
+
+    traced_inner = phase_trace._traced_asgi(inner)
+
+    async def outer(_self: Any, scope: Any, receive: Any, send: Any) -> None:
+        await traced_inner(None, scope, receive, send)
+
+    async def send(message: Any) -> None:
+        return None
+
+    scope = {"type": "http", "headers": [(b"x-request-id", rid.encode())]}
+    await phase_trace._traced_asgi(outer)(None, scope, None, send)
+    assert list(phase_trace.read(sink)[rid]) == ["asgi", "sent"] and len(inner_sends) == 1
+    assert len(sink.read_text().splitlines()) == 2  # each noted once: the inner app is no point of its own
+
+    read: list[Any] = []
+
+    async def untraced_app(_self: Any, scope: Any, receive: Any, send: Any) -> None:
+        class Request:
+            @property
+            def headers(self) -> dict[str, str]:
+                read.append("headers")
+                return {"x-request-id": phase_trace.trace_id()}
+
+        assert phase_trace._args_id((None, Request()), {}, from_context=True) is None
+
+    await phase_trace._traced_asgi(untraced_app)(None, {"type": "http", "headers": []}, None, send)
+    assert read == []  # nothing was read to find an id
 
 
 async def test_a_call_finds_the_id_of_the_request_it_serves_through_the_context(sink: Path) -> None:
