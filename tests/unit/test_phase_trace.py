@@ -110,6 +110,10 @@ async def test_a_stream_stamps_its_start_and_first_matching_item_and_closes_the_
     await untraced.aclose()
 
 
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
 async def test_an_app_inside_a_served_request_and_points_inside_an_untraced_one_pass_at_once(sink: Path) -> None:
     """vlguard's shell hands a request on to vLLM's app: only the outer app is a point (its "sent" is
     where the HTTP server gets the body); inside an untraced request no point reads its arguments."""
@@ -131,7 +135,7 @@ async def test_an_app_inside_a_served_request_and_points_inside_an_untraced_one_
     scope = {"type": "http", "headers": [(b"x-request-id", rid.encode())]}
     await phase_trace._traced_asgi(outer)(None, scope, None, send)
     assert list(phase_trace.read(sink)[rid]) == ["asgi", "sent"] and len(inner_sends) == 1
-    assert len(sink.read_text().splitlines()) == 2  # each noted once: the inner app is no point of its own
+    assert _lines(sink) == 2  # each noted once: the inner app is no point of its own
 
     read: list[Any] = []
 
