@@ -115,7 +115,10 @@ def resume_input(prompt: Any, sampling_params: Any, sent: list[int]) -> tuple[An
 def _error_finish(output: RequestOutput) -> bool:
     """Whether vLLM finished this request, or one of its ``n > 1`` samples, with ``ERROR`` (soft recovery
     cuts requests that way; the samples' finishes may arrive in separate outputs)."""
-    return any(c.finish_reason == "error" for c in output.outputs)
+    for completion in output.outputs:  # noqa: SIM110 - a loop, not any() over a generator: runs for every output
+        if completion.finish_reason == "error":
+            return True
+    return False
 
 
 def _unfinish(output: RequestOutput, hold_back: int) -> None:
@@ -249,44 +252,47 @@ class GuardedEngineClient:
         _mark_entered()
         fp = Fingerprint(prompt, sampling_params)  # computed only when read (a fault, a strike, a log line)
         self._check_quarantine(fp)
-        engine_id = self._claim(request_id)
+        engine_id = self._claim(request_id)  # the request's id inside the engine
+        renamed, carries = engine_id != request_id, 0
         try:
-            async with contextlib.aclosing(self._carried(prompt, sampling_params, fp, engine_id, kwargs)) as outputs:
-                async for output in outputs:
-                    if engine_id != request_id:  # the serving layer's own id, as it asked
-                        output.request_id = request_id
-                    yield output
+            carry = Carry.start(prompt, sampling_params)
+            route, body = current_request.get() or (None, None)
+            evidence = Evidence(route, body, prompt, sampling_params, current_client.get())
+            # The request's outputs over as many attempts as it takes (one async generator between the
+            # serving layer and the engine's: every output passes each generator once).
+            while True:
+                async with contextlib.aclosing(self._attempt(carry, fp, engine_id, evidence, kwargs)) as outputs:
+                    async for output in outputs:
+                        if renamed:  # the serving layer's own id, as it asked
+                            output.request_id = request_id
+                        yield output
+                if carry.outcome is Outcome.DONE:
+                    return
+                if carry.outcome is not Outcome.CARRY:
+                    continue
+                # The engine died under this request, or cut it in a soft recovery: quarantine, then replay or
+                # resume on the current engine.
+                self._check_quarantine(fp)
+                carries += 1
+                self._carry_over(carry, carries, fp, engine_id)
         finally:
             self._release(request_id, engine_id)
 
-    async def _carried(
-        self, prompt: Any, sampling_params: Any, fp: Fingerprint, request_id: str, kwargs: dict[str, Any]
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs over as many attempts as it takes (``request_id``: its engine-side id)."""
-        carry = Carry.start(prompt, sampling_params)
-        route, body = current_request.get() or (None, None)
-        evidence = Evidence(route, body, prompt, sampling_params, current_client.get())
-        carries = 0
-        while True:
-            async with contextlib.aclosing(self._attempt(carry, fp, request_id, evidence, kwargs)) as outputs:
-                async for output in outputs:
-                    yield output
-            if carry.outcome is Outcome.DONE:
-                return
-            if carry.outcome is not Outcome.CARRY:
-                continue
-            # The engine died under this request, or cut it in a soft recovery: quarantine, then replay or
-            # resume on the current engine.
-            self._check_quarantine(fp)
-            carries += 1
-            if carries > self._port.max_replays:
-                m.REQUESTS_FAILED.labels(reason="replay_limit").inc()
-                raise EngineUnavailableError("request outlived too many engine deaths", reason="replay_limit")
-            if carry.yielded and not (carry.delta and carry.single and carry.sent):
-                m.REQUESTS_FAILED.labels(reason="not_resumable").inc()
-                raise NotResumableError("engine restarted after output was sent; this request cannot be resumed")
-            (m.REQUESTS_RESUMED if carry.sent else m.REQUESTS_REPLAYED).inc()
-            logger.warning("request %s (%s) carried over: %s", request_id, fp, carry.how())
+    def _carry_over(self, carry: Carry, carries: int, fp: Fingerprint, request_id: str) -> None:
+        """Count the ``carries``-th carry-over of ``request_id`` (its engine-side id), or refuse it.
+
+        Raises:
+            EngineUnavailableError: more carry-overs than ``max_replays``.
+            NotResumableError: output was handed on and the request cannot continue from it.
+        """
+        if carries > self._port.max_replays:
+            m.REQUESTS_FAILED.labels(reason="replay_limit").inc()
+            raise EngineUnavailableError("request outlived too many engine deaths", reason="replay_limit")
+        if carry.yielded and not (carry.delta and carry.single and carry.sent):
+            m.REQUESTS_FAILED.labels(reason="not_resumable").inc()
+            raise NotResumableError("engine restarted after output was sent; this request cannot be resumed")
+        (m.REQUESTS_RESUMED if carry.sent else m.REQUESTS_REPLAYED).inc()
+        logger.warning("request %s (%s) carried over: %s", request_id, fp, carry.how())
 
     async def _attempt(
         self, carry: Carry, fp: Fingerprint, request_id: str, evidence: Evidence, kwargs: dict[str, Any]
@@ -316,9 +322,11 @@ class GuardedEngineClient:
                         cut = True
                         _unfinish(output, getattr(params, "output_text_buffer_length", 0))
                     # The engine core did not hold an image sent as its hash: send it again, whole.
-                    missed, first = not cut and cache_miss(output, stripped, first), False
-                    if missed:
-                        continue
+                    if first:
+                        first = False
+                        if not cut and cache_miss(output, stripped, True):
+                            missed = True
+                            continue
                     if rerun is not None and (output := rerun.take(output, cut)) is None:
                         continue  # the re-run is still inside what was sent
                     if cut:
