@@ -10,7 +10,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from server.vllm_hooks import HookTargetMissing, wrap
+from server.vllm_hooks import MARK, HookTargetMissing, wrap
 
 
 def wrap_method(module: str, cls: str | None, method: str, make: Callable[[Any], Any], stream: bool | None) -> str:
@@ -33,6 +33,8 @@ def wrap_method(module: str, cls: str | None, method: str, make: Callable[[Any],
         original = owner.__dict__[method]
     except (ImportError, AttributeError, KeyError) as exc:
         raise HookTargetMissing(f"{where} not found") from exc
+    if getattr(original, MARK, False):  # wrapped here already (``wrap`` installs nothing twice): the original's kind
+        original = original.__wrapped__
     if not _KINDS[stream](original):
         raise HookTargetMissing(f"{where} is not the kind of function expected")
     wrap(owner, method, make, where)

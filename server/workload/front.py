@@ -17,8 +17,9 @@ process in turn, in an order that rotates every round, and reads the process's C
 every thread) before and after: CPU per request. The ratio vlguard/stock-a and stock-b/stock-a are given
 per round and as a 90 % t interval of their geometric mean over the rounds; the same for the event-loop
 threads' part of it (each process's main thread, where uvicorn, the routes and vlguard's door and engine
-client run), apart from vLLM's worker threads (Hugging Face preprocessing, media loading), whose work is
-the same in both systems and whose CPU moves most between two stock processes. vlguard's own code per
+client run), apart from the other threads: vLLM's workers (Hugging Face preprocessing, media loading), whose
+CPU moves most between two stock processes, and in vlguard's process also the media policy's checks in
+vLLM's loading threads, its replay cache in the renderer's and its decode pool. vlguard's own code per
 request comes from the phase trace (:mod:`server.workload.phase_trace`) in its process, over
 :data:`TRACED_BLOCKS` more blocks sent to it after the rounds: every process carries the tracer's
 wrappers, and the rounds send no trace ids, so no system pays for writing a trace in the CPU compared.
@@ -221,7 +222,7 @@ class FrontResult:
     rps: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
     api_servers: int = 1  # API processes per system
     #: the event-loop threads' part of ``cpu_ms`` (each process's main thread: uvicorn's loop, where the
-    #: front's own code runs); the rest is vLLM's worker threads (Hugging Face preprocessing, media loading)
+    #: front's own code runs); the rest is the other threads (vLLM's workers, and vlguard's work in them)
     loop_cpu_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
 
     def ratio(self, a: str, b: str, of: str = "cpu_ms") -> tuple[float, tuple[float, float]]:
@@ -395,7 +396,7 @@ def summary_lines(result: FrontResult) -> list[str]:
         for system in SYSTEMS:
             loop, rest = np.median(result.loop_cpu_ms[system]), np.median(result.cpu_ms[system])
             lines.append(f"{system:8} event-loop thread CPU per request: median {loop:.2f} ms "
-                         f"(the rest, vLLM's worker threads: {rest - loop:.2f})")  # fmt: skip
+                         f"(the other threads: {rest - loop:.2f})")  # fmt: skip
         for a, b, what in (("vlguard", "stock-a", "vlguard/stock"), ("stock-b", "stock-a", "A/A (stock/stock)")):
             ratio, (low, high) = result.ratio(a, b, of="loop_cpu_ms")
             added, (dlow, dhigh) = result.added_ms(a, b, of="loop_cpu_ms")

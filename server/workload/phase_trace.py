@@ -70,6 +70,7 @@ logger = logging.getLogger("vllm.vlguard.phase_trace")
 #: the trace id of the request being served; :data:`_UNTRACED` while serving one that carries none
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("vlguard_phase_trace_id", default=None)
 _UNTRACED = ""
+_SCOPE_MARK = "vlguard.phase_trace"  # in a request's ASGI scope once its outermost app point has it
 _sink: IO[str] | None = None
 _pending: list[tuple[str, str, float, float, int]] = []  # points noted and not yet written
 _FLUSH_AT = 10_000
@@ -132,9 +133,13 @@ def _args_id(args: tuple[Any, ...], kwargs: dict[str, Any], from_context: bool) 
 def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     async def traced(app: Any, scope: Any, receive: Any, send: Any) -> None:
-        if _current.get() is not None or scope.get("type") != "http":  # an app inside a served request's app
-            return await call(app, scope, receive, send)  # (vlguard's shell hands on to vLLM's): passed
-        rid = request_id_of(scope)
+        # An app inside a served request's app (vlguard's shell hands on to vLLM's) is passed: the request
+        # is marked in its scope, not by the context, which uvicorn may carry from one request of a
+        # connection to the next (a pipelined request's task; the reader resumed from a request's receive).
+        if scope.get("type") != "http" or scope.get(_SCOPE_MARK):
+            return await call(app, scope, receive, send)
+        scope[_SCOPE_MARK] = True
+        rid = request_id_of(scope)  # the context is set for every request: nothing is inherited
         if rid is None:  # every point inside passes at once
             token = _current.set(_UNTRACED)
             try:

@@ -325,3 +325,44 @@ def test_the_moved_work_is_told_from_what_vlguard_adds() -> None:
     own, moved = report.added_p50(phases)
     assert (own, moved) == (pytest.approx(0.3), pytest.approx(0.04))
     assert report.added_p50({}) == (0, 0)
+
+
+async def test_each_request_is_told_by_its_own_headers_whatever_context_it_inherits(sink: Path) -> None:
+    """uvicorn may run a connection's next request in the context of the one before (a pipelined request's
+    task; the reader resumed from a request's receive): the outermost app point decides afresh."""
+    rid, earlier = phase_trace.trace_id(), phase_trace.trace_id()
+    seen: list[Any] = []
+
+    async def app(_self: Any, scope: Any, receive: Any, send: Any) -> None:
+        seen.append(phase_trace._current.get())
+        await send({"type": "http.response.body", "body": b'data: {"content":"a"}', "more_body": False})
+
+    async def send(message: Any) -> None:
+        return None
+
+    for inherited, headers in ((phase_trace._UNTRACED, [(b"x-request-id", rid.encode())]), (earlier, [])):
+        token = phase_trace._current.set(inherited)
+        try:
+            await phase_trace._traced_asgi(app)(None, {"type": "http", "headers": headers}, None, send)
+        finally:
+            phase_trace._current.reset(token)
+    assert seen == [rid, phase_trace._UNTRACED]
+    assert list(phase_trace.read(sink)) == [rid]  # nothing stamped under the earlier request's id
+
+
+def test_a_method_is_wrapped_once_whatever_its_wrapper_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's wrapper is a plain function (it hands an untraced call the stream itself): wrapping the
+    method again finds the original's kind and installs nothing."""
+
+    class Engine:
+        async def generate(self, prompt: str) -> AsyncIterator[str]:
+            yield prompt
+
+    module = types.ModuleType("fake_engine")
+    module.Engine = Engine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_engine", module)
+    make = phase_trace._traced_stream("submit", "output", phase_trace._any)
+    phase_trace.bench.wrap_method("fake_engine", "Engine", "generate", make, True)
+    wrapped = Engine.__dict__["generate"]
+    phase_trace.bench.wrap_method("fake_engine", "Engine", "generate", make, True)
+    assert Engine.__dict__["generate"] is wrapped
