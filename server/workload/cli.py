@@ -361,6 +361,10 @@ def _front_main(opts: compare.CompareOptions, stem: Path) -> int:
         "api_servers": result.api_servers, "rps": result.rps,
         "rps_ratio": result.ratio("vlguard", "stock-a", of="rps"),
         "aa_rps_ratio": result.ratio("stock-b", "stock-a", of="rps"),
+        "loop_cpu_ms": result.loop_cpu_ms,
+        "loop_ratio": result.ratio("vlguard", "stock-a", of="loop_cpu_ms"),
+        "aa_loop_ratio": result.ratio("stock-b", "stock-a", of="loop_cpu_ms"),
+        "loop_added_ms": result.added_ms("vlguard", "stock-a", of="loop_cpu_ms"),
     }  # fmt: skip
     print("wrote", _write_json(stem.with_suffix(".json"), payload))
     return 0

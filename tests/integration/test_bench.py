@@ -129,8 +129,16 @@ def test_front_scenario_measures_both_apps_and_vlguards_own_code(tiny_model: Pat
     assert 0 < low <= ratio <= high and math.isfinite(high), data["ratio"]
     rps, (low, high) = data["rps_ratio"]
     assert 0 < low <= rps <= high and math.isfinite(high) and "front throughput" in proc.stdout, data["rps"]
-    assert set(data["own_ms"]) == set(report.GUARD_OWN_PHASES), data["own_ms"]
+    # The event-loop threads' part, each round's below the whole process's
+    loop, (low, high) = data["loop_ratio"]
+    assert 0 < low <= loop <= high and math.isfinite(high) and "event-loop CPU ratio" in proc.stdout, data
+    for system, rounds in data["loop_cpu_ms"].items():
+        assert all(0 < x < y for x, y in zip(rounds, data["cpu_ms"][system], strict=True)), system
+    # vlguard's own phases, and the parts of them shown on their own (the parse, the image cache shadow)
+    mine = {*report.GUARD_OWN_PHASES, *report.GUARD_INNER_PHASES}
+    assert set(data["own_ms"]) == mine, data["own_ms"]
+    assert "added by vlguard" in proc.stdout
     # Their CPU, from the same points: never above their time (the waits are left out)
-    assert set(data["own_cpu_ms"]) == set(report.GUARD_OWN_PHASES), data["own_cpu_ms"]
+    assert set(data["own_cpu_ms"]) == mine, data["own_cpu_ms"]
     for name, cpu in data["own_cpu_ms"].items():
         assert 0 <= cpu["p50"] <= data["own_ms"][name]["p50"] + 1e-3, (name, cpu, data["own_ms"][name])
