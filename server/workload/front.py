@@ -301,8 +301,9 @@ def run(
                 )
                 after, loop_after = _cpu_s(procs[system])
                 if r >= warmup:
-                    result.cpu_ms[system].append(1000.0 * (after - before) / max(1, len(done.records)))
-                    result.loop_cpu_ms[system].append(1000.0 * (loop_after - loop_before) / max(1, len(done.records)))
+                    ms_each = 1000.0 / max(1, len(done.records))  # seconds of CPU -> ms per request
+                    result.cpu_ms[system].append((after - before) * ms_each)
+                    result.loop_cpu_ms[system].append((loop_after - loop_before) * ms_each)
                     result.rps[system].append(sum(rec.ok for rec in done.records) / max(done.wall_s, 1e-9))
                     result.failed[system] += sum(not rec.ok for rec in done.records)
                     result.records[system] += done.records
@@ -324,8 +325,7 @@ def run(
         traces = [_file(out, "vlguard", i, count, "-trace.jsonl") for i in range(count)]  # a request is one process's
         events = {rid: points for path in traces for rid, points in phase_trace.read(path).items()}
         phases = report.trace_phases_ms(traced.records, events)
-        mine = (*report.GUARD_OWN_PHASES, *report.GUARD_INNER_PHASES)
-        result.own_ms = {name: phases[name] for name in mine if name in phases}
+        result.own_ms = {name: phases[name] for name in report.GUARD_SHOWN_PHASES if name in phases}
         cpu = {rid: points for path in traces for rid, points in phase_trace.read_cpu(path).items()}
         result.own_cpu_ms = report.own_cpu_ms(traced.records, cpu)
         result.api_servers = count

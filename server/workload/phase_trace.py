@@ -140,34 +140,37 @@ def _traced_asgi(call: Callable[..., Any]) -> Callable[..., Any]:
             return await call(app, scope, receive, send)
         scope[_SCOPE_MARK] = True
         rid = request_id_of(scope)  # the context is set for every request: nothing is inherited
-        if rid is None:  # every point inside passes at once
-            token = _current.set(_UNTRACED)
-            try:
-                return await call(app, scope, receive, send)
-            finally:
-                _current.reset(token)
-        stamp(rid, "asgi")
-        sent = False
-
-        async def traced_send(message: Any) -> None:
-            nonlocal sent
-            is_body = message.get("type") == "http.response.body"
-            body = message.get("body", b"") if is_body else b""
-            if not sent and _CONTENT_BYTES.search(body):
-                sent = True
-                stamp(rid, "sent")
-            if is_body and not message.get("more_body", False):
-                flush()  # every point of the request is noted: written before the client has its end
-            await send(message)
-
-        token = _current.set(rid)
+        token = _current.set(_UNTRACED if rid is None else rid)  # untraced: every point inside passes at once
         try:
-            return await call(app, scope, receive, traced_send)
+            if rid is None:
+                return await call(app, scope, receive, send)
+            stamp(rid, "asgi")
+            return await call(app, scope, receive, _traced_send(rid, send))
         finally:
             _current.reset(token)
-            flush()
+            if rid is not None:
+                flush()
 
     return traced
+
+
+def _traced_send(rid: str, send: Any) -> Callable[[Any], Any]:
+    """``send`` stamping ``sent`` at the first response body with content, and writing the request's points
+    before its last body is handed on."""
+    sent = False
+
+    async def traced_send(message: Any) -> None:
+        nonlocal sent
+        is_body = message.get("type") == "http.response.body"
+        body = message.get("body", b"") if is_body else b""
+        if not sent and _CONTENT_BYTES.search(body):
+            sent = True
+            stamp(rid, "sent")
+        if is_body and not message.get("more_body", False):
+            flush()  # every point of the request is noted: written before the client has its end
+        await send(message)
+
+    return traced_send
 
 
 def _traced_call(

@@ -234,6 +234,8 @@ GUARD_INNER_PHASES = ("door: of it, the body's parse", "submit: of it, the image
 #: shadow: stock's renderer does that operation on its cache, but vlguard's renderer does one on its own
 #: cache too, so the shadow's is added.
 GUARD_MOVED_PHASES = GUARD_INNER_PHASES[:1]
+#: every phase of vlguard's own code the front scenario reports: the whole ones and their parts
+GUARD_SHOWN_PHASES = (*GUARD_OWN_PHASES, *GUARD_INNER_PHASES)
 
 
 def added_p50(phases: dict[str, dict[str, float]]) -> tuple[float, float]:
@@ -266,13 +268,11 @@ def trace_phases_ms(records: Iterable[Record], events: dict[str, dict[str, float
 
 
 def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, int]]]) -> dict[str, dict[str, float]]:
-    """The CPU each of :data:`GUARD_OWN_PHASES` (and :data:`GUARD_INNER_PHASES`) used per streamed,
-    successful request: its thread's CPU
+    """The CPU each of :data:`GUARD_SHOWN_PHASES` used per streamed, successful request: its thread's CPU
     time between the phase's points, where one thread stamped both (``cpu``:
     :func:`server.workload.phase_trace.read_cpu`): ``{phase: {"p50": ms, "mean": ms, "n": requests}}``.
     Unlike the phase's time, it leaves out waiting for the GIL."""
-    mine = (*GUARD_OWN_PHASES, *GUARD_INNER_PHASES)
-    bounds = {name: (start, end) for name, start, end in GUARD_TRACE_PHASES if name in mine}
+    bounds = {name: (start, end) for name, start, end in GUARD_TRACE_PHASES if name in GUARD_SHOWN_PHASES}
     spans: dict[str, list[float]] = {}
     for rec in records:
         points = cpu.get(rec.trace_id or "")
@@ -281,7 +281,7 @@ def own_cpu_ms(records: Iterable[Record], cpu: dict[str, dict[str, tuple[float, 
         for name, (start, end) in bounds.items():
             if start in points and end in points and points[start][1] == points[end][1]:
                 spans.setdefault(name, []).append(1000.0 * (points[end][0] - points[start][0]))
-    return _summaries(spans, mine)
+    return _summaries(spans, GUARD_SHOWN_PHASES)
 
 
 def _summaries(spans: dict[str, list[float]], names: Iterable[str]) -> dict[str, dict[str, float]]:
