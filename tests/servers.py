@@ -4,6 +4,8 @@ the tiny model's profile."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +64,39 @@ class ServerProcess(servers.ServerProcess):
     cwd: Path | None = REPO
 
     def __post_init__(self) -> None:
+        require_test_plugins()
         if "--enforce-eager" in self.argv:
             self.env = {**NO_COMPILE_WHEN_EAGER, **self.env}
         if "--guard-spare" not in self.argv:
             self.env = {**NO_SPARE, **self.env}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its package is missing
+        return False
+
+
+@functools.cache
+def require_test_plugins() -> None:
+    """The test-only vLLM plugins (``tests/plugins``: faults, padding) load in this environment, as every
+    server the tests start needs: vLLM only logs a plugin it cannot import, and a fault test would then
+    fail as if the guard had missed the fault.
+
+    Raises:
+        RuntimeError: a plugin's module is not importable (the venv's editable install points at another,
+            or a deleted, clone: ``scripts/venv.sh`` points it at this one).
+    """
+    from importlib.metadata import entry_points
+
+    plugins = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name.startswith("vlguard_test_")]
+    missing = [ep.value for ep in plugins if not _importable(ep.module)]
+    if not plugins or missing:
+        raise RuntimeError(
+            f"the test-only vLLM plugins do not load here ({missing or 'not installed'}): "
+            "run scripts/venv.sh <lane> to point this environment at this clone"
+        )
 
 
 @dataclass
