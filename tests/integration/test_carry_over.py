@@ -289,20 +289,24 @@ def _interrupted(
     matrix_and_reference: tuple[dict[str, dict[str, Any]], dict[tuple[int, str], Stream]],
     fault: Callable[[], Awaitable[None]],
 ) -> None:
-    """The staged batch with slow steps until ``fault`` (made at full speed), then every stream compared
-    with the uninterrupted run and most of the batch carried over."""
+    """The staged batch with slow steps until ``fault`` has been made (a kill is at once; a poison's faults
+    land at its admission, a step or more after it is sent: the steps stay slow till its answer, or the batch
+    may end first, as a busy run saw), then at full speed; every stream compared with the uninterrupted run
+    and most of the batch carried over."""
     matrix, reference = matrix_and_reference
     carried = carried_over(srv)
     offset = len(srv.log_path.read_bytes())
     slow = slow_steps_flag(srv)
 
-    async def at_full_speed() -> None:
-        slow.unlink(missing_ok=True)
-        await fault()
+    async def then_full_speed() -> None:
+        try:
+            await fault()
+        finally:
+            slow.unlink(missing_ok=True)
 
     slow.touch()
     try:
-        results = asyncio.run(staged_batch(srv, model, matrix, at_full_speed))
+        results = asyncio.run(staged_batch(srv, model, matrix, then_full_speed))
     finally:
         slow.unlink(missing_ok=True)
     _compare(results, reference, srv.log_path.read_bytes()[offset:].decode(errors="replace"))
