@@ -77,14 +77,16 @@ def fresh_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 async def test_two_deaths_seconds_after_ready_lose_nothing(fresh_server: ServerProcess, model_name: str) -> None:
     """#49: the engine core SIGKILLed 2 s after the server's first /ready, under 12 clients sending two-pass
-    requests (half streaming, greedy: resumable), then again 2 s after the rebuilt engine's /ready: /ready
+    requests (half streaming, greedy: resumable), then again 2 s after the rebuilt engine's /ready (each kill
+    at the first token after those 2 s of a stream with more to come: on a busy machine the requests may
+    all still be in the API process's rendering 2 s after /ready, and a kill then carries none over): /ready
     comes back each time, every request 200, every stream whole (no error event), nothing held times out,
     and neither rebuild starts cold: each uses the spare still importing (on 2 CPUs it is spawned once the
     engine is READY; from 4, beside the engine's start, then ready at the first /ready). ``VLGUARD_TEST_KILL_PAIRS``
     repeats the pair (CI runs one; 5 to hunt the rare hang of the issue)."""
     srv, pairs = fresh_server, int(os.environ.get("VLGUARD_TEST_KILL_PAIRS", "1"))
     image, log_at, carried = photo_uri("chelsea.png"), srv.log_path.stat().st_size, carried_over(srv)
-    stop, results = asyncio.Event(), []
+    stop, mid_stream, results = asyncio.Event(), asyncio.Event(), []
 
     async def client(http: httpx.AsyncClient, i: int) -> None:
         stream = {"stream": True, "logprobs": True, "return_tokens_as_token_ids": True} if i % 2 else {}
@@ -95,7 +97,14 @@ async def test_two_deaths_seconds_after_ready_lose_nothing(fresh_server: ServerP
                     results.append(((await http.post("/v1/chat/completions", json=body)).status_code, None))
                     continue
                 async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                    results.append((resp.status_code, sse_tokens([line async for line in resp.aiter_lines()])[1]))
+                    lines: list[str] = []
+                    chunks = 0
+                    async for line in resp.aiter_lines():
+                        lines.append(line)
+                        chunks += line.startswith("data: {")
+                        if 2 <= chunks <= 40:  # a token sent (after the role's chunk), 8+ still to come
+                            mid_stream.set()
+                    results.append((resp.status_code, sse_tokens(lines)[1]))
 
     def ready() -> bool:
         return httpx.get(srv.url + "/ready", timeout=10).status_code == 200
@@ -105,6 +114,8 @@ async def test_two_deaths_seconds_after_ready_lose_nothing(fresh_server: ServerP
         try:
             for _ in range(2 * pairs):
                 await asyncio.sleep(2)  # 2 s after /ready
+                mid_stream.clear()
+                await asyncio.wait_for(mid_stream.wait(), 120)
                 engine_core(srv).kill()
                 await asyncio.to_thread(poll, lambda: not ready(), 30, "the death noticed")
                 await asyncio.to_thread(poll, ready, 300, "ready again")
