@@ -108,6 +108,11 @@ class GuardSettings(BaseSettings):
     share (about 20 bytes a pixel while it is normalised). Default and minimum: ``max_image_pixels``
     (one image of the largest size allowed)."""
 
+    image_cache_mb: float = Field(default=256.0, ge=0)
+    """MiB of decoded images each API process keeps, by the SHA-256 of their bytes, so that an image sent
+    again (the two-pass workload sends each twice) is not decoded again: each load gets its own copy of the
+    same pixels; least recently used first out (docs/input.md). 0: off, every image decoded (stock)."""
+
     image_normalize: bool = True
     """Normalise images where vLLM loads them so the engine sees what viewers show (on/off): EXIF orientation
     applied, transparency composited on white, 16/32-bit scaled to 8 bits (docs/input.md). Off: images

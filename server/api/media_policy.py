@@ -36,6 +36,7 @@ from typing import Any
 import pybase64
 
 from server.api.decode_pool import DecodePool
+from server.api.image_cache import DecodedImageCache
 from server.api.media import (
     ImageHeader,
     MediaError,
@@ -71,6 +72,7 @@ class MediaPolicy:
         max_video_frames: the most frames one video may decode.
         decoder: the decode pool images are normalised in.
         server_io_kwargs: the server's ``--media-io-kwargs`` (modality -> kwargs): the operator's values.
+        image_cache: decoded images kept by their bytes' hash (off unless given).
     """
 
     limits: MediaLimits
@@ -78,6 +80,7 @@ class MediaPolicy:
     max_video_frames: int
     decoder: DecodePool = field(compare=False)
     server_io_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    image_cache: DecodedImageCache = field(compare=False, default_factory=lambda: DecodedImageCache(0))
 
     @classmethod
     def of(cls, settings: GuardSettings, args: Any) -> MediaPolicy:
@@ -97,7 +100,8 @@ class MediaPolicy:
         remote = RemotePolicy(allowed_hosts=hosts, timeout_s=settings.remote_media_timeout)
         io_kwargs = dict(getattr(args, "media_io_kwargs", None) or {})
         decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
-        return cls(limits, remote, settings.max_video_frames, decoder, io_kwargs)
+        cache = DecodedImageCache(int(settings.image_cache_mb * 1024 * 1024))
+        return cls(limits, remote, settings.max_video_frames, decoder, io_kwargs, cache)
 
     def check_url(self, modality: str, url: str) -> str:
         """The URL's scheme (lower case), once ``modality``'s policy allows it; checked before any

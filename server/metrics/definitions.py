@@ -160,6 +160,17 @@ DECODE_WAITING = Gauge(
     "Images waiting to be normalised (for their client's turn or the decode pool's pixel budget).",
     multiprocess_mode="livesum",
 )
+IMAGE_CACHE_LOADS = Counter(
+    "vlguard_image_cache_loads",
+    "Images vLLM loaded through vlguard's decoded-image cache: hit (a copy of the pixels decoded for the same "
+    "bytes before) or miss (decoded).",
+    ["result"],
+)
+IMAGE_CACHE_BYTES = Gauge(
+    "vlguard_image_cache_bytes",
+    "Bytes of decoded images kept for images sent again (bounded by --guard-image-cache-mb).",
+    multiprocess_mode="livesum",
+)
 CLIENT_FAULTS = Counter(
     "vlguard_client_faults",
     "Engine faults charged to one client's request with certainty (the fault named that request alone); "

@@ -11,7 +11,8 @@ Every media item vLLM's front end loads (any route, any part or item shape) goes
 * the bytes of each image, each ``video/jpeg`` frame and each container video before they are decoded
   (the media IO object vLLM hands to its loaders is wrapped); an image a normalisation rule applies to
   is handed back from vLLM's loading thread and normalised in the decode pool
-  (:mod:`server.api.decode_pool`), so that waiting for the pool holds none of vLLM's loading threads.
+  (:mod:`server.api.decode_pool`), so that waiting for the pool holds none of vLLM's loading threads;
+  any other image sent before is a copy of its earlier decode (:mod:`server.api.image_cache`).
 
 With client uuids untrusted (the default), :func:`install` also makes vLLM's multimodal item trackers
 forget the uuids a request named (vllm#55547: a uuid would answer about another picture): vLLM hashes the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +45,14 @@ class ImageHeader(Protocol):
     def pixels(self) -> int: ...
 
 
+class ImageCache(Protocol):
+    """Decoded images kept by their bytes (:class:`server.api.image_cache.DecodedImageCache`)."""
+
+    def key(self, media_io: Any, data: bytes) -> Hashable | None: ...  # None: not cached
+    def get(self, key: Hashable) -> Any | None: ...  # a copy of what was loaded, or None
+    def put(self, key: Hashable, loaded: Any) -> None: ...
+
+
 class MediaPolicy(Protocol):
     """What the connector asks of the policy (:class:`server.api.media_policy.MediaPolicy`); each method
     raises a ``ValueError`` (vLLM answers 400 with its message) when the item is refused."""
@@ -56,6 +66,8 @@ class MediaPolicy(Protocol):
     def base64_payload(self, where: str, payload: str) -> bytes: ...
     def frames(self, where: str, count: int) -> None: ...
     def video_container(self, where: str, data: bytes, num_frames: int) -> None: ...
+    @property
+    def image_cache(self) -> ImageCache: ...
 
 
 _policy: list[MediaPolicy] = []  # the policy the registered connector applies (the latest install's)
@@ -84,6 +96,7 @@ class _CheckedImageIO:
 
     def __init__(self, inner: Any, where: str, normalize: bool, defer: bool = False) -> None:
         self._inner, self._where, self._normalize, self._defer = inner, where, normalize, defer
+        self._cached = where == "image"  # not video frames: a video is loaded whole, once
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -95,7 +108,17 @@ class _CheckedImageIO:
             raise _Deferred(data, header.pixels)
         if header.rules:
             data = policy.normalized(self._where, data)
+        elif self._cached:  # an image sent before is not decoded again
+            return self._load_cached(policy.image_cache, data)
         return self._inner.load_bytes(data)
+
+    def _load_cached(self, cache: ImageCache, data: bytes) -> Any:
+        if (key := cache.key(self._inner, data)) is None:
+            return self._inner.load_bytes(data)
+        if (loaded := cache.get(key)) is None:
+            loaded = self._inner.load_bytes(data)
+            cache.put(key, loaded)
+        return loaded
 
     def load_normalized(self, data: bytes) -> Any:
         """Load an image the policy has normalised (checked already)."""

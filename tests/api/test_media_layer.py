@@ -235,3 +235,34 @@ async def test_a_server_fault_past_the_engine_client_on_the_anthropic_route_stay
     body = {"model": api.model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
     resp = await api.client.post("/v1/messages", json=body)
     assert resp.status_code >= 500, resp.text[:300]
+
+
+@pytest.mark.parametrize("cache_mb", ["256", "0"])
+async def test_an_image_sent_again_is_not_decoded_again(make_api: Any, cache_mb: str) -> None:
+    """The two-pass workload through vLLM's media layer: the rescue prompt's image (the same bytes as the
+    primary's) is a copy of the first decode, not a second decode (``--guard-image-cache-mb 0``: decoded
+    again, as stock); the engine is given the same prompt either way. A vLLM that charges each request's
+    decoded bytes to a budget of the request's own (0.34) is never served from the cache: a hit would skip
+    the charge."""
+    import inspect
+
+    from vllm.multimodal.media import ImageMediaIO
+
+    from server.metrics import definitions as m
+
+    per_request_budget = "decoded_budget" in inspect.signature(ImageMediaIO).parameters
+    kept = 1 if cache_mb != "0" and not per_request_budget else 0
+
+    api = await make_api("--guard-image-cache-mb", cache_mb)
+    image = {"type": "image_url", "image_url": {"url": _uri(png(96, 64, "RGB"))}}
+    hits = m.IMAGE_CACHE_LOADS.labels(result="hit")._value.get()
+    prompts = []
+    for question in ("Is anyone wearing a helmet?", "Is anyone wearing a helmet?"):
+        body = {"model": api.model, "max_tokens": 2,
+                "messages": [{"role": "user", "content": [image, {"type": "text", "text": question}]}]}  # fmt: skip
+        resp = await api.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text[:300]
+        prompts.append(api.engine.prompts[api.engine.requests[-1]])
+    assert m.IMAGE_CACHE_LOADS.labels(result="hit")._value.get() - hits == kept
+    assert len(api.app.state.media.image_cache) == kept
+    assert prompts[0] == prompts[1]
