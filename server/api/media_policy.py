@@ -28,6 +28,7 @@ reads it); normalisation runs in the policy's decode pool, which the app's lifes
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -49,7 +50,9 @@ from server.api.media import (
 from server.api.remote_media import RemotePolicy, fetch_bytes
 from server.guard.clients import current_client
 from server.settings import GuardSettings
-from server.vllm_hooks.locations import upstream_image_rules
+from server.vllm_hooks.locations import upstream_decode_budget, upstream_image_rules
+
+logger = logging.getLogger(__name__)
 
 #: The highest frame rate a request may ask a video to be sampled at.
 MAX_FPS = 60.0
@@ -100,7 +103,12 @@ class MediaPolicy:
         remote = RemotePolicy(allowed_hosts=hosts, timeout_s=settings.remote_media_timeout)
         io_kwargs = dict(getattr(args, "media_io_kwargs", None) or {})
         decoder = DecodePool(settings.decode_threads, settings.decode_pixel_budget())
-        cache = DecodedImageCache(int(settings.image_cache_mb * 1024 * 1024))
+        cache_bytes = int(settings.image_cache_mb * 1024 * 1024)
+        if cache_bytes and upstream_decode_budget():  # a hit would skip the request's charge
+            logger.warning("--guard-image-cache-mb: off on this vLLM, which charges each request's decoded bytes "
+                           "to a budget of the request's own (VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES)")  # fmt: skip
+            cache_bytes = 0
+        cache = DecodedImageCache(cache_bytes)
         return cls(limits, remote, settings.max_video_frames, decoder, io_kwargs, cache)
 
     def check_url(self, modality: str, url: str) -> str:

@@ -163,7 +163,8 @@ DECODE_WAITING = Gauge(
 IMAGE_CACHE_LOADS = Counter(
     "vlguard_image_cache_loads",
     "Images vLLM loaded through vlguard's decoded-image cache: hit (a copy of the pixels decoded for the same "
-    "bytes before) or miss (decoded).",
+    "bytes before), miss (decoded; kept if it fits) or skipped (decoded, not cacheable: off, too large, per-request "
+    "decode state).",
     ["result"],
 )
 IMAGE_CACHE_BYTES = Gauge(

@@ -256,3 +256,14 @@ def finished_requests(result: Any) -> list[tuple[str, int]]:
     """``(request id, client index)`` of what vLLM's ``Scheduler.finish_requests`` returned: such pairs
     (0.20.0, 0.22.1) or the ``Request`` objects (0.32.0)."""
     return [item if isinstance(item, tuple) else (item.request_id, item.client_index) for item in result]
+
+
+def upstream_decode_budget() -> bool:
+    """Whether the installed vLLM charges each request's decoded media bytes to a budget of the request's
+    own (``ImageMediaIO(decoded_budget=...)``, ``VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES``: vLLM 0.34.0; not in
+    0.20.0-0.32.0). An image served from vlguard's decoded-image cache would skip that charge."""
+    import inspect
+
+    from vllm.multimodal.media import ImageMediaIO
+
+    return "decoded_budget" in inspect.signature(ImageMediaIO).parameters

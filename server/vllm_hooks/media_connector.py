@@ -48,9 +48,9 @@ class ImageHeader(Protocol):
 class ImageCache(Protocol):
     """Decoded images kept by their bytes (:class:`server.api.image_cache.DecodedImageCache`)."""
 
-    def key(self, media_io: Any, data: bytes) -> Hashable | None: ...  # None: not cached
+    def key(self, media_io: Any, data: bytes, pixels: int) -> Hashable | None: ...  # None: not cached
     def get(self, key: Hashable) -> Any | None: ...  # a copy of what was loaded, or None
-    def put(self, key: Hashable, loaded: Any) -> None: ...
+    def put(self, key: Hashable, loaded: Any, data: bytes) -> None: ...
 
 
 class MediaPolicy(Protocol):
@@ -109,15 +109,15 @@ class _CheckedImageIO:
         if header.rules:
             data = policy.normalized(self._where, data)
         elif self._cached:  # an image sent before is not decoded again
-            return self._load_cached(policy.image_cache, data)
+            return self._load_cached(policy.image_cache, data, header.pixels)
         return self._inner.load_bytes(data)
 
-    def _load_cached(self, cache: ImageCache, data: bytes) -> Any:
-        if (key := cache.key(self._inner, data)) is None:
+    def _load_cached(self, cache: ImageCache, data: bytes, pixels: int) -> Any:
+        if (key := cache.key(self._inner, data, pixels)) is None:
             return self._inner.load_bytes(data)
         if (loaded := cache.get(key)) is None:
             loaded = self._inner.load_bytes(data)
-            cache.put(key, loaded)
+            cache.put(key, loaded, data)
         return loaded
 
     def load_normalized(self, data: bytes) -> Any:
