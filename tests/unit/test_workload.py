@@ -331,7 +331,9 @@ def test_a_process_cpu_is_split_into_its_main_thread_and_the_rest() -> None:
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"done\n"
         total, main = _cpu_s([proc])
-        assert total - main >= 0.3 and main < total  # the spinning worker thread is not the main thread
+        # The spinning worker thread (0.3 s of its own clock) is not the main thread (its imports); the
+        # kernel counts threads' CPU in clock ticks (10 ms here): a CI run read 0.2999... for 0.3.
+        assert total - main >= 0.25 and main < total - main
     finally:
         proc.kill()
         proc.wait()
