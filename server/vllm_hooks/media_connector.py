@@ -96,7 +96,6 @@ class _CheckedImageIO:
 
     def __init__(self, inner: Any, where: str, normalize: bool, defer: bool = False) -> None:
         self._inner, self._where, self._normalize, self._defer = inner, where, normalize, defer
-        self._cached = where == "image"  # not video frames: a video is loaded whole, once
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -108,7 +107,7 @@ class _CheckedImageIO:
             raise _Deferred(data, header.pixels)
         if header.rules:
             data = policy.normalized(self._where, data)
-        elif self._cached:  # an image sent before is not decoded again
+        elif self._where == "image":  # sent before: not decoded again (video frames: a video loads whole, once)
             return self._load_cached(policy.image_cache, data, header.pixels)
         return self._inner.load_bytes(data)
 

@@ -244,14 +244,10 @@ async def test_an_image_sent_again_is_not_decoded_again(make_api: Any, cache_mb:
     again, as stock); the engine is given the same prompt either way. A vLLM that charges each request's
     decoded bytes to a budget of the request's own (0.34) is never served from the cache: a hit would skip
     the charge."""
-    import inspect
-
-    from vllm.multimodal.media import ImageMediaIO
-
     from server.metrics import definitions as m
+    from server.vllm_hooks.locations import upstream_decode_budget
 
-    per_request_budget = "decoded_budget" in inspect.signature(ImageMediaIO).parameters
-    kept = 1 if cache_mb != "0" and not per_request_budget else 0
+    kept = 1 if cache_mb != "0" and not upstream_decode_budget() else 0
 
     api = await make_api("--guard-image-cache-mb", cache_mb)
     image = {"type": "image_url", "image_url": {"url": _uri(png(96, 64, "RGB"))}}
