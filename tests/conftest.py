@@ -18,7 +18,6 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -97,10 +96,9 @@ def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
 #: ``[param]`` for a parametrized fixture; a test module declares its own servers' launchers in
 #: ``EARLY_LAUNCHERS``. In this order, and at most :data:`MAX_EARLY` of them with the Docker image build
 #: counted as one (its container): each idle server holds ~3 GB of the machine's 24 while the deployment
-#: tests run servers of their own. ``VLGUARD_TEST_MAX_EARLY`` lowers it where another test run shares the
-#: machine (.ci/run runs the other lanes beside the default one).
+#: tests run servers of their own.
 EARLY_ORDER = ("server", "eager_server", "compiled_stock", "padded_stock", "aligned_unpatched[chunked]")
-MAX_EARLY = int(os.environ.get("VLGUARD_TEST_MAX_EARLY", "4"))
+MAX_EARLY = 4
 _LAUNCHERS: dict[str, Launcher] = {"server": _launch_server, "eager_server": _launch_eager_server}
 _EARLY: dict[str, ServerProcess] = {}
 #: vlguard's Docker image, likewise built from the end of collection when the Docker engine tests will run.
