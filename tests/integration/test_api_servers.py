@@ -142,7 +142,7 @@ def test_a_fault_budget_spent_through_one_is_spent_in_both(tier: ServerProcess, 
         chat(first, model_name, f"Variant {n}{POISON_WORD}")
     poll(lambda: chat(first, model_name, "Is the exit clear?").status_code == 429, 30, "the client refused")
     # The other process learns of the faults through the owner, not on the request path (docs/architecture.md:
-    # taken in at its next read): a request sent to it at once can still pass (a CI run's did, under load).
+    # taken in at its next read): a request sent to it at once can still pass (one did in a full-suite run).
     poll(lambda: chat(second, model_name, "Is the exit clear?").status_code == 429, 10, "refused by the other too")
     refused = chat(second, model_name, "Is the exit clear?")
     assert refused.status_code == 429 and "retry-after" in refused.headers, refused.text
