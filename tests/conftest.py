@@ -36,7 +36,8 @@ FORENSICS_ENV = "VLGUARD_FORENSICS_DIR"  # --guard-forensics-dir
 
 
 def slow_steps_flag(srv: ServerProcess) -> Path:
-    """The file whose presence makes every step of ``srv``'s engine slow (25 ms more: the fault plugin)."""
+    """The file whose presence makes every step of ``srv``'s engine slow (25 ms more, or the seconds written
+    into it: the fault plugin)."""
     return Path(srv.env[SLOW_STEPS_ENV])
 
 

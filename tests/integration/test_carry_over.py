@@ -55,6 +55,10 @@ SCHEMA = {
     "required": ["verdict", "notes"],
 }
 WAIT_S = 180
+#: Seconds each engine step sleeps from the first wave's start until the fault has landed: the engine stays
+#: nearly still while the fault travels to it, however far the streams' output and the poison request lag
+#: behind the engine on a busy machine (a CI run saw a soft fault land after the whole batch had ended).
+CRAWL_STEP_S = 0.2
 
 
 def rows(stop_text: str, token_a: int, token_b: int) -> dict[str, dict[str, Any]]:
@@ -186,12 +190,16 @@ def named_rows(matrix: dict[str, dict[str, Any]], wave: str) -> dict[str, dict[s
 
 
 async def staged_batch(
-    srv: ServerProcess, model: str, matrix: dict[str, dict[str, Any]], fault: Callable[[], Awaitable[None]]
+    srv: ServerProcess,
+    model: str,
+    matrix: dict[str, dict[str, Any]],
+    crawl: Callable[[], None],
+    fault: Callable[[], Awaitable[None]],
 ) -> dict[tuple[str, str], Stream]:
     """Three waves of the matrix. The late (``SHORT`` tokens) and middle (``LONG``) waves start together
-    and run in step; once the late wave has ``LATE_AT`` tokens the first wave starts, and the fault is made
-    once each of its rows sent its first token (or the late wave is 4 tokens from its end): the late wave is
-    then near its end, the middle one in its middle."""
+    and run in step; once the late wave has ``LATE_AT`` tokens the engine is made to crawl (``crawl()``) and
+    the first wave starts, and the fault is made once each of its rows sent its first token (or the late
+    wave is 4 tokens from its end): the late wave is then near its end, the middle one in its middle."""
     results: dict[tuple[str, str], Stream] = {}
     tasks: list[asyncio.Task[Stream]] = []
     async with httpx.AsyncClient(base_url=srv.url, timeout=WAIT_S) as client:
@@ -206,6 +214,7 @@ async def staged_batch(
         start("middle")
         late = results[("late", "greedy")]
         await until(late, LATE_AT)
+        crawl()
         firsts = start("first")
         # The first wave's plain rows have sent their first token: a stop-string stream then holds text back,
         # which the fault's cut must not hand on (a CI run on 0.32 caught it when this row happened to).
@@ -287,26 +296,32 @@ def _interrupted(
     srv: ServerProcess,
     model: str,
     matrix_and_reference: tuple[dict[str, dict[str, Any]], dict[tuple[int, str], Stream]],
-    fault: Callable[[], Awaitable[None]],
+    fault: Callable[[Callable[[], None]], Awaitable[None]],
 ) -> None:
-    """The staged batch with slow steps until ``fault`` has been made (a kill is at once; a poison's faults
-    land at its admission, a step or more after it is sent: the steps stay slow till its answer, or the batch
-    may end first, as a busy run saw), then at full speed; every stream compared with the uninterrupted run
-    and most of the batch carried over."""
+    """The staged batch with slow steps, crawling from the first wave's start until ``fault(release)`` has
+    landed (a kill at once; a poison's fault at its admission, a step or more after it is sent, which then
+    calls ``release()``), then at full speed; every stream compared with the uninterrupted run and most of
+    the batch carried over."""
     matrix, reference = matrix_and_reference
     carried = carried_over(srv)
     offset = len(srv.log_path.read_bytes())
     slow = slow_steps_flag(srv)
 
+    def crawl() -> None:
+        slow.write_text(str(CRAWL_STEP_S))
+
+    def release() -> None:
+        slow.unlink(missing_ok=True)
+
     async def then_full_speed() -> None:
         try:
-            await fault()
+            await fault(release)
         finally:
-            slow.unlink(missing_ok=True)
+            release()
 
     slow.touch()
     try:
-        results = asyncio.run(staged_batch(srv, model, matrix, then_full_speed))
+        results = asyncio.run(staged_batch(srv, model, matrix, crawl, then_full_speed))
     finally:
         slow.unlink(missing_ok=True)
     _compare(results, reference, srv.log_path.read_bytes()[offset:].decode(errors="replace"))
@@ -320,7 +335,7 @@ def test_streams_carried_over_a_kill_answer_as_uninterrupted(
 ) -> None:
     core = engine_core(eager_server)
 
-    async def kill() -> None:
+    async def kill(release: Callable[[], None]) -> None:
         core.send_signal(signal.SIGKILL)
 
     _interrupted(eager_server, model_name, matrix_and_reference, kill)
@@ -337,9 +352,20 @@ def test_streams_carried_over_a_soft_recovery_answer_as_uninterrupted(
               "messages": [{"role": "user", "content": f"Carry-over check{EAGER_ADMIT_WORD} now."}]}  # fmt: skip
     refusal: list[httpx.Response] = []
 
-    async def soft_fault() -> None:
+    async def soft_fault(release: Callable[[], None]) -> None:
+        """The poison's first fault lands while the engine crawls; its isolated re-run (the second fault)
+        waits for the batch to end, at full speed."""
         async with httpx.AsyncClient(base_url=eager_server.url, timeout=WAIT_S) as client:
-            refusal.append(await client.post("/v1/chat/completions", json=poison))
+            answer = asyncio.ensure_future(client.post("/v1/chat/completions", json=poison))
+            deadline = time.monotonic() + WAIT_S
+            while not answer.done() and time.monotonic() < deadline:
+                soft = labelled(eager_server, "vlguard_engine_recoveries_total", "kind",
+                                (await client.get("/metrics")).text).get("soft", 0)  # fmt: skip
+                if soft > before["soft"]:
+                    break
+                await asyncio.sleep(0.05)
+            release()
+            refusal.append(await answer)
 
     _interrupted(eager_server, model_name, matrix_and_reference, soft_fault)
     assert refusal[0].status_code == 400 and "quarantined" in refusal[0].text

@@ -26,8 +26,9 @@ new tokens (``update_from_output``, per request), after a model step that may ho
 such a request's new tokens into a response (detokenization, stop strings, logprobs), in the API process.
 
 ``VLGUARD_TEST_SLOW_STEPS_IF=/path``: while that file exists, every step of the model runner first sleeps
-``SLOW_STEP_S``: requests decode for a known minimum time, so a test can send a fault while they are in
-the engine without making them long (the test creates the file, and removes it when done).
+``SLOW_STEP_S``, or the seconds the file holds: requests decode for a known minimum time, so a test can
+send a fault while they are in the engine without making them long (the test creates the file, and removes
+it when done; it writes a longer step into it to hold the engine nearly still while a fault travels to it).
 
 ``VLGUARD_TEST_DROP_MM_CACHE_IF=/path``: while that file exists, the engine core empties its multimodal
 receiver cache before adding each request: an image the API side sends as a hash is then missing (the
@@ -97,8 +98,8 @@ def _poison_model_runner(raise_on: list[int], exit_on: list[int], device_on: lis
         return
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        if slow_flag and os.path.exists(slow_flag):
-            time.sleep(SLOW_STEP_S)
+        if slow_flag and (pause := _step_pause(slow_flag)):
+            time.sleep(pause)
         for ids in _new_prompts(scheduler_output):
             if exit_on and contains(ids, exit_on):
                 os._exit(13)  # the worker process dies in the middle of the step
@@ -195,6 +196,19 @@ def _drop_mm_cache(flag: str) -> None:
 
     preprocess_add_request.__vlguard_test_fault__ = True  # type: ignore[attr-defined]
     EngineCore.preprocess_add_request = preprocess_add_request  # type: ignore[method-assign]
+
+
+def _step_pause(flag: str) -> float:
+    """The seconds each step sleeps: 0 without the flag file, else its number (``SLOW_STEP_S`` when empty)."""
+    try:
+        with open(flag) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return 0.0
+    try:
+        return float(text) if text else SLOW_STEP_S
+    except ValueError:
+        return SLOW_STEP_S
 
 
 def _first_time(flag: str | None) -> bool:
