@@ -32,7 +32,7 @@ from server.guard.engine_client import GuardedEngineClient
 from server.guard.supervisor import EngineState, Supervisor
 from server.guard.systemd import Notifier
 from server.settings import GuardSettings
-from server.vllm_hooks import media_connector
+from server.vllm_hooks import hf_processor, media_connector
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,8 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
     # Every media item vLLM loads (any route, any part shape) meets the media policy inside vLLM's media layer.
     media = MediaPolicy.of(settings, args)
     media_connector.install(media, trust_client_uuids=settings.trust_client_uuids)
+    if settings.patches:  # a backport: --guard-patches off leaves transformers as it is, like the others
+        logger.info("%s", hf_processor.install())
     parsed_body.install()  # vLLM's routes take the door's parse of a body: parsed once
     # The docs are vLLM's app's (--disable-fastapi-docs, --enable-offline-docs as stock)
     app = FastAPI(title="vlguard", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)

@@ -19,8 +19,9 @@ class GuardSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VLGUARD_", use_attribute_docstrings=True, extra="forbid", frozen=True)
 
     patches: bool = True
-    """Backport the deepstack fixes into every vLLM process where the installed vLLM needs them
-    (on/off). Off is for A/B runs only."""
+    """Backport the deepstack fixes into every vLLM process where the installed vLLM needs them, and
+    transformers' kept processor schemas into the API process where the installed transformers needs them
+    (PR #45807; docs/input.md) (on/off). Off is for A/B runs only."""
 
     alignment: bool = True
     """Align every step that carries image tokens to a CUDA-graph capture size in the scheduler (on/off),

@@ -25,6 +25,8 @@ the process).
   compiled grammars emptied after each compile (every process);
 - :mod:`.media_connector`: vLLM's media connector under vlguard's media policy, and its item trackers
   without client uuids (API process);
+- :mod:`.hf_processor`: transformers' check of a processor call's keyword arguments with its compiled
+  form kept (a backport; API process);
 - :mod:`.bench`: the phase trace's stamps (bench only; serving never imports it).
 
 Each :class:`Target` says what vLLM lacks that its hook stands in for (the upstream issue or PR) and when the
@@ -107,7 +109,7 @@ def wrap(owner: Any, name: str, make: Callable[[Any], Any], target: str, once: b
 
 @dataclass(frozen=True)
 class Target:
-    """One vLLM function a hook wraps or replaces.
+    """One vLLM function a hook wraps or replaces (or one of transformers', which vLLM's renderer calls).
 
     Attributes:
         module: where vLLM defines it.
@@ -200,9 +202,14 @@ _MEDIA = (
     "(vllm#55547) as given",
     "vLLM bounds media before decoding, can refuse remote media, and bounds per-request media_io_kwargs",
 )
+_HF_SCHEMA = (
+    "transformers#45807: transformers 5.6.2 (vLLM 0.20.0, 0.22.1) merges a new TypedDict at every processor call, "
+    "so huggingface_hub builds and compiles a strict dataclass to check each call's keyword arguments",
+    "every supported vLLM installs a transformers with PR #45807 (5.19.0 has it)",
+)
 _TRACE = ("the phase trace stamps vLLM's request path (bench only)", "vLLM traces its request phases itself")
 
-#: Every vLLM function a hook wraps, replaces or relies on the shape of.
+#: Every vLLM function (and transformers function) a hook wraps, replaces or relies on the shape of.
 TARGETS: tuple[Target, ...] = (
     Target(CORE, "EngineCoreProc.run_busy_loop", ("self",), f"{_EC}:wrap_busy_loop", why=_SOFT[0], until=_SOFT[1]),
     Target(CORE, "EngineCore.add_request", ("self", "request"), f"{_EC}:guard_step_and_admission", why=_SOFT[0],
@@ -246,6 +253,8 @@ TARGETS: tuple[Target, ...] = (
            "server.vllm_hooks.media_connector:install", why=_MEDIA[0], until=_MEDIA[1]),
     Target("vllm.multimodal.media.connector", "MediaConnector.load_from_url_async", ("self", "url", "media_io"),
            "server.vllm_hooks.media_connector:install", why=_MEDIA[0], until=_MEDIA[1]),
+    Target("transformers.processing_utils", "validate_typed_dict", ("schema", "data"),
+           "server.vllm_hooks.hf_processor:install", why=_HF_SCHEMA[0], until=_HF_SCHEMA[1]),
     Target(QWEN, f"{QWEN_VL}._get_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",
            at_start=False, why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
     Target(QWEN, f"{QWEN_VL}._set_deepstack_input_embeds", ("self",), f"{_MD}:replace_methods (deepstack)",
