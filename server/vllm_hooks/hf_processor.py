@@ -7,14 +7,20 @@ huggingface_hub's ``validate_typed_dict(schema, kwargs)``. That builds a strict 
 (a ``TypedDict``) and keeps it by the schema object (``functools.lru_cache``). For a modality whose
 preprocessor declares its own ``valid_kwargs`` (images, videos), 5.6.2 merges the two into a **new**
 ``TypedDict`` at every call, so the kept dataclass is never found again: every processor call makes and
-compiles a dataclass (``make_dataclass``, ``exec`` of its ``__init__``) and evicts a useful entry. A profile
-of the front scenario put it at about a tenth of the API process's worker-thread CPU.
+compiles one such dataclass a modality (``make_dataclass``, ``exec`` of its ``__init__``): two for Qwen3-VL,
+whose image and video processors both declare theirs, an image-only request too. A profile of the front
+scenario put it at about a tenth of the API process's worker-thread CPU.
 
 :func:`install` replaces ``validate_typed_dict`` as transformers' processing module calls it: the schema
 is exchanged for the first one seen with the same content (name, totality, annotations), so equal merged
 schemas share one kept dataclass. The check is the same: the same fields, types, validators and
 requiredness, only carried by an earlier, equal class object. A schema whose annotations cannot be hashed
 is passed on as it came; at most :data:`MAX_SCHEMAS` contents are kept (the rest pass on as they came).
+Upstream keys the merged ``TypedDict`` by the two classes it merges; this keys it by content, which needs no
+change inside ``_merge_kwargs``. Annotations compare by equality: ``Union[int, str]`` equals
+``Union[str, int]``, so a schema listing a union's members in another order would name them in the first's
+order in its error message (transformers' schemas are not total, and huggingface_hub's own wrapping of
+their fields already goes through typing's cache keyed the same way).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def _content(schema: Any) -> Hashable | None:
         annotations = inspect.get_annotations(schema)  # its own, as huggingface_hub reads them
         key = (getattr(schema, "__name__", None), getattr(schema, "__total__", True), tuple(annotations.items()))
         hash(key)
-    except TypeError:  # not a class, or an annotation that cannot be hashed
+    except (TypeError, ValueError):  # not a class, annotations not a dict, or one that cannot be hashed
         return None
     return key
 
