@@ -395,13 +395,21 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
         # (512 tokens each take ~2.5 s here: the streams, at least, are still decoding; the non-streaming
         # two sometimes finished first). (Waiting on the in-flight gauge instead raced: identical requests
         # served from the prefix cache finished between the poll and the kill.)
-        started = [threading.Event(), threading.Event()]
+        # Slow steps (25 ms more each) until the kill: 512 tokens then take over 12 s, so the kill finds them
+        # in flight however far the streams' first tokens lag behind the engine (a CI run's second kill found
+        # all four finished: 0 in flight).
+        started, slow = [threading.Event(), threading.Event()], slow_steps_flag(guarded)
+        slow.touch()
         with ThreadPoolExecutor(4) as pool:
-            plain = [pool.submit(client.chat.completions.create, model=model_name, messages=messages, max_tokens=512,
-                                 temperature=0, extra_body={"ignore_eos": True}) for _ in range(2)]  # fmt: skip
-            streams = [pool.submit(stream_tokens, guarded, model_name, messages, 512, ev) for ev in started]
-            assert all(ev.wait(120) for ev in started), "the streams never started"
-            core.send_signal(signal.SIGKILL)
+            try:
+                plain = [pool.submit(client.chat.completions.create, model=model_name, messages=messages,
+                                     max_tokens=512, temperature=0, extra_body={"ignore_eos": True})
+                         for _ in range(2)]  # fmt: skip
+                streams = [pool.submit(stream_tokens, guarded, model_name, messages, 512, ev) for ev in started]
+                assert all(ev.wait(120) for ev in started), "the streams never started"
+                core.send_signal(signal.SIGKILL)
+            finally:
+                slow.unlink(missing_ok=True)
             assert [len(f.result().choices) for f in plain] == [1, 1]  # served: 200
             assert [(len(ids), err) for ids, err in (f.result() for f in streams)] == [(512, None), (512, None)]
         # requests of the one fingerprint were in flight at each kill (they carry its strikes, if any): at
