@@ -391,13 +391,11 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
     for _ in range(2):
         poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
         core, carried = engine_core(guarded), carried_over(guarded)  # read before the requests are sent
-        # Two non-streaming requests first, then two identical streams, killed once both streams have tokens
-        # (512 tokens each take ~2.5 s here: the streams, at least, are still decoding; the non-streaming
-        # two sometimes finished first). (Waiting on the in-flight gauge instead raced: identical requests
-        # served from the prefix cache finished between the poll and the kill.)
-        # Slow steps (25 ms more each) until the kill: 512 tokens then take over 12 s, so the kill finds them
-        # in flight however far the streams' first tokens lag behind the engine (a CI run's second kill found
-        # all four finished: 0 in flight).
+        # Two non-streaming requests first, then two identical streams, killed once both streams have tokens.
+        # The steps are slow (25 ms more each) until the kill: 512 tokens then take over 12 s, not ~2.5 s, so
+        # the kill finds them in flight however far the streams' first tokens lag behind the engine (a CI
+        # run's second kill found all four finished: 0 in flight). (Waiting on the in-flight gauge instead
+        # raced: identical requests served from the prefix cache finished between the poll and the kill.)
         started, slow = [threading.Event(), threading.Event()], slow_steps_flag(guarded)
         slow.touch()
         with ThreadPoolExecutor(4) as pool:
