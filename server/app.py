@@ -26,6 +26,7 @@ from server.api.input_guard import InputGuardMiddleware
 from server.api.media import BOUNDS_PENDING, PixelBounds, server_pixel_bounds
 from server.api.media_policy import MediaPolicy
 from server.api.model_facts import poison_rules
+from server.api.overload import AdmissionGate, QueueCaps
 from server.api.stock_app import StockApp, ToStockApp, build_stock_app, route_lines
 from server.api.transport import TransportMiddleware
 from server.guard.engine_client import GuardedEngineClient
@@ -122,6 +123,19 @@ def _item_limits(model_config: Any) -> dict[str, int]:
     return {modality: int(multimodal.get_limit_per_prompt(modality)) for modality in _MODALITIES}
 
 
+def admission_gate(args: argparse.Namespace, settings: GuardSettings, supervisor: Supervisor) -> AdmissionGate:
+    """Admission under load (:mod:`server.api.overload`) over the supervisor's measure of its engine: the
+    queue caps (``--max-num-queued-reqs``/``-tokens``, this API process's share), ``--guard-max-queue-wait``,
+    and after the body's parse under ``--scheduling-policy priority``."""
+    caps = QueueCaps.of(
+        getattr(args, "max_num_queued_reqs", None),
+        getattr(args, "max_num_queued_tokens", None),
+        getattr(args, "api_server_count", None) or 1,
+    )
+    after_parse = getattr(args, "scheduling_policy", "fcfs") == "priority"
+    return AdmissionGate(supervisor.load, settings.max_queue_wait, settings.inflight_share, caps, after_parse)
+
+
 def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Supervisor) -> FastAPI:
     """Build the vlguard app.
 
@@ -196,6 +210,7 @@ def create_app(args: argparse.Namespace, settings: GuardSettings, supervisor: Su
         engine_ready=lambda: supervisor.state is EngineState.READY,
         expose=lambda guard: setattr(app.state, "input_guard", guard),
         keys=len(_api_keys(args)),
+        gate=admission_gate(args, settings, supervisor),
     )
     _add_cors(app, args)
     app.add_middleware(TransportMiddleware, keys=_api_keys(args))  # outermost: before anything reads the request

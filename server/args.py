@@ -41,6 +41,28 @@ def _add_guard_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _count(text: str) -> int:
+    """A whole number, 0 or more (vLLM 0.32's ``ge=0``)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _add_queue_caps(parser: argparse.ArgumentParser) -> None:
+    """Backport of vLLM PR #49445's ``--max-num-queued-reqs`` and ``--max-num-queued-tokens`` (vLLM 0.32)
+    where the installed vLLM lacks them: the same flags and meaning, enforced at vlguard's door
+    (:mod:`server.api.overload`)."""
+    if any("--max-num-queued-reqs" in action.option_strings for action in parser._actions):
+        return
+    group = parser.add_argument_group("queue caps", "backported from vLLM 0.32 (PR #49445), enforced by vlguard")
+    group.add_argument("--max-num-queued-reqs", type=_count, default=None, metavar="N",
+                       help="Most requests in flight (waiting or running) at once; one more gets 503.")  # fmt: skip
+    group.add_argument("--max-num-queued-tokens", type=_count, default=None, metavar="N",
+                       help="Most prompt tokens of requests in the prefill phase; at or above it a new "
+                       "request gets 503.")  # fmt: skip
+
+
 def build_parser() -> FlexibleArgumentParser:
     """The ``vlguard`` parser: ``serve`` (vLLM's serve parser + guard flags) and ``tiny-model``."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -57,6 +79,7 @@ def build_parser() -> FlexibleArgumentParser:
         usage="vlguard serve [model] [vllm serve flags] [--guard-* flags]",
     )
     make_arg_parser(serve)
+    _add_queue_caps(serve)
     _add_guard_args(serve)
     add_tiny_model_args(sub.add_parser("tiny-model", help="Write the deterministic tiny Qwen3-VL (DIR or the cache)."))
     # Listed for --help only: main() hands `bench ...` to server.workload.cli before this parser runs.

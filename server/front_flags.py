@@ -55,6 +55,8 @@ FRONT_FLAGS: dict[str, tuple[FlagKind, str]] = {
         "h11_max_incomplete_event_size",
         # what vLLM's launcher does, done with its own helpers (server/launcher.py)
         "tool_parser_plugin", "log_config_file", "disable_access_log_for_endpoints", "enable_ssl_refresh",
+        # vLLM 0.32's queue caps (engine flags there), backported by vlguard's door where vLLM lacks them
+        "max_num_queued_reqs", "max_num_queued_tokens",
     )},
     "api_server_count": (_G, ""),  # an owner of the engine and N guarded API processes (server/scaleout)
     "headless": (_R, "vlguard serves the API it guards; a headless engine has none"),

@@ -36,6 +36,13 @@ class GuardSettings(BaseSettings):
     body has arrived); one more gets 429 + Retry-After, and /ready answers 503 while all are taken. 0: no
     bound."""
 
+    max_queue_wait: float = Field(default=5.0, ge=0)
+    """Seconds a generation request may expect to wait for the engine before its prefill ends; a request
+    that cannot expect to start within it (estimated from the engine's queue and recent rates now) gets 503
+    + Retry-After at once, before its body is read, and /ready answers 503 (saturated) meanwhile. A request
+    with ``X-Request-Timeout: S`` is also refused when it cannot expect to be answered within S seconds, and
+    ended at S wherever it is (docs/guard.md). 0: no estimate (only the fixed bounds)."""
+
     max_request_mb: float = Field(default=64.0, gt=0)
     """Largest request body accepted (MiB); more gets 413."""
 

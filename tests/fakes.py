@@ -104,6 +104,7 @@ class FakeEngine:
         self.active: set[str] = set()  # request ids inside generate() now: the fake's batch
         self.poison = tuple(poison)
         self._tokens_left: int | None = None  # die_after()
+        self._pause_left: int | None = None  # pause_after()
         self.renderer = renderer if renderer is not None else object()
         self.errored = False
         self.shut_down = False
@@ -130,6 +131,10 @@ class FakeEngine:
     def die_after(self, tokens: int) -> None:
         """Die once ``tokens`` more tokens have been produced (by any request)."""
         self._tokens_left = tokens
+
+    def pause_after(self, tokens: int) -> None:
+        """:meth:`pause` once ``tokens`` more tokens have been produced (by any request)."""
+        self._pause_left = tokens
 
     def _poisoned(self, ids: list[int]) -> bool:
         n = len(self.poison)
@@ -247,6 +252,11 @@ class FakeEngine:
                     raise EngineDeadError()
                 self._tokens_left -= 1
             out.append(next_token(ids + out))
+            if self._pause_left is not None:
+                self._pause_left -= 1
+                if self._pause_left <= 0:
+                    self._pause_left = None
+                    self.pause()
             finished = len(out) == max_tokens
             new = out[-1:] if delta else list(out)
             text += f" t{out[-1]}"

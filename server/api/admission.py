@@ -7,14 +7,18 @@ carried over deaths by the engine client.
 
 The door also names the request's client (:func:`server.guard.clients.client_key`, kept in
 :data:`server.guard.clients.current_client` for the engine client) and refuses a client whose requests
-spent its fault budget with 429 + ``Retry-After``.
+spent its fault budget with 429 + ``Retry-After``. A held request whose caller leaves (or whose
+``X-Request-Timeout`` passes: :mod:`server.api.caller`) stops waiting at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api import parsed_body
+from server.api.caller import Caller
 from server.api.errors import guard_error_response
 from server.api.routes import is_generation
 from server.guard.clients import ClientRefusedError, client_key, current_client
@@ -57,10 +61,34 @@ class AdmissionMiddleware:
         if self.supervisor.state is not EngineState.READY:
             parsed_body.drop(scope)  # a held request keeps its bytes (the body budget's count), not their parse
             try:
-                await self.supervisor.acquire()
+                if not await self._hold(scope.get(Caller.SCOPE_KEY)):
+                    return  # its caller went, or its deadline passed (the door answers that)
             except EngineUnavailableError as exc:
                 m.REQUESTS_FAILED.labels(reason=exc.reason).inc()
                 response = guard_error_response(exc)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    async def _hold(self, caller: Caller | None) -> bool:
+        """Wait for the READY engine while the caller is there: False when it left first.
+
+        Raises:
+            EngineUnavailableError: the hold's own refusals (:meth:`Supervisor.acquire`).
+        """
+        if caller is None:
+            await self.supervisor.acquire()
+            return True
+        acquire = asyncio.ensure_future(self.supervisor.acquire())
+        gone = asyncio.ensure_future(caller.gone.wait())
+        try:
+            await asyncio.wait((acquire, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not acquire.done():
+                acquire.cancel()
+        if not acquire.done() or acquire.cancelled():
+            await asyncio.wait((acquire,))  # out of the hold before the door answers
+            return False
+        acquire.result()
+        return True

@@ -44,9 +44,10 @@ from http import HTTPStatus
 from typing import Any, NamedTuple
 
 import pydantic_core
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.admission import route_path
+from server.api.caller import Arrival, Caller, timeout_of
 from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_response
 from server.api.garbage import FinishedBodies
 from server.api.media import (
@@ -58,6 +59,7 @@ from server.api.media import (
     strip_client_uuids,
 )
 from server.api.media_policy import MediaPolicy
+from server.api.overload import AdmissionGate, Refusal
 from server.api.parsed_body import hand_over
 from server.api.poison import (
     PoisonRules,
@@ -134,6 +136,23 @@ class Counts(dict[str, int]):
             self.pop(who, None)
 
 
+def _arrival(
+    scope: Scope, kind: RouteKind, gate: AdmissionGate | None, who: str, held: dict[str, int]
+) -> Arrival | Refusal:
+    """When a request arrived and, for a generation request, its ``X-Request-Timeout``; or its refusal: a
+    malformed timeout (400), or the load (:meth:`AdmissionGate.before_body`: before its body is read)."""
+    arrived = asyncio.get_running_loop().time()
+    if kind is not RouteKind.GENERATION:
+        return Arrival(arrived, None)
+    try:
+        timeout_s = timeout_of(scope)
+    except ValueError as exc:
+        return Refusal(HTTPStatus.BAD_REQUEST, str(exc), "body", 0)
+    if gate is not None and (no := gate.before_body(who, held, timeout_s)):
+        return no
+    return Arrival(arrived, timeout_s)
+
+
 class _Inspected(NamedTuple):
     """What the door's synchronous checks of a body found (:meth:`InputGuardMiddleware._inspect`)."""
 
@@ -156,7 +175,8 @@ class InputGuardMiddleware:
         (:mod:`server.api.poison`; ``None``: not known yet).
     engine_ready: whether the engine serves now (a body over the memory budget then gets 429, else 503).
     expose: called with the middleware once built (the app keeps it for readiness).
-    keys: how many API keys the server has (a client's identity: :func:`server.guard.clients.client_key`)."""
+    keys: how many API keys the server has (a client's identity: :func:`server.guard.clients.client_key`).
+    gate: admission under load (:mod:`server.api.overload`); None: none."""
 
     def __init__(
         self,
@@ -169,8 +189,10 @@ class InputGuardMiddleware:
         engine_ready: Callable[[], bool] = lambda: True,
         expose: Callable[[InputGuardMiddleware], None] = lambda guard: None,
         keys: int = 0,
+        gate: AdmissionGate | None = None,
     ) -> None:
         self.app = app
+        self.gate = gate
         self.poison_rules = poison_rules
         self.max_inflight = settings.max_inflight
         self.max_body = int(settings.max_request_mb * 1024 * 1024)
@@ -206,8 +228,11 @@ class InputGuardMiddleware:
         kind = found[0]
         held = [0]  # bytes this request holds of the body budget
         who = client_key(scope, self.keys)
+        if isinstance(arrival := _arrival(scope, kind, self.gate, who, self.client_active), Refusal):
+            await self._refuse(scope, receive, send, arrival.status, arrival.message, arrival.reason, arrival.headers())
+            return
         try:  # every body is bounded (size, time, budget, the client's share); only inputs are checked
-            await self._admit(scope, receive, send, held, who, kind)
+            await self._admit(scope, receive, send, held, who, kind, arrival)
         finally:
             self.body_bytes -= held[0]
             self.client_bytes.add(who, -held[0])
@@ -215,9 +240,12 @@ class InputGuardMiddleware:
             self.finished.finished(held[0])
 
     def saturated(self) -> bool:
-        """Whether one more request whose body arrived would be refused (every in-flight slot taken, or the
-        body budget spent): readiness reports it, so a balancer routes elsewhere."""
-        return bool(self.max_inflight and self.active >= self.max_inflight) or self.body_bytes >= self.body_budget
+        """Whether one more request would be refused for the server's load (every in-flight slot taken, the
+        body budget spent, or the engine's queue past --guard-max-queue-wait): readiness reports it, so a
+        balancer routes elsewhere."""
+        if (self.max_inflight and self.active >= self.max_inflight) or self.body_bytes >= self.body_budget:
+            return True
+        return self.gate is not None and self.gate.saturated()
 
     def _largest(self, who: str) -> int:
         """The largest body client ``who`` may send: the request limit, the budget, the client's share."""
@@ -252,7 +280,14 @@ class InputGuardMiddleware:
         await self._refuse(scope, receive, send, status, message, "memory", headers)
 
     async def _admit(
-        self, scope: Scope, receive: Receive, send: Send, held: list[int], who: str, kind: RouteKind
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        held: list[int],
+        who: str,
+        kind: RouteKind,
+        arrival: Arrival,
     ) -> None:
         too_large = HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"Request body larger than {self._largest(who)} bytes"
         declared = dict(scope.get("headers") or []).get(b"content-length")
@@ -308,18 +343,25 @@ class InputGuardMiddleware:
         self.active += 1
         self.client_active.add(who, 1)
         try:
-            await self._serve(scope, receive, send, raw, kind)
+            await self._serve(scope, receive, send, raw, kind, arrival)
         finally:
             self.active -= 1
             self.client_active.add(who, -1)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind) -> None:
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, raw: bytes, kind: RouteKind, arrival: Arrival
+    ) -> None:
         try:
             checked, parsed = await self._check(raw, kind)
         except MediaError as exc:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == HTTPStatus.SERVICE_UNAVAILABLE else None
             await self._refuse(scope, receive, send, exc.status, str(exc), exc.reason, retry)
             return
+        if kind is RouteKind.GENERATION and self.gate is not None:
+            who = client_key(scope, self.keys)
+            if no := self.gate.after_body(who, self.client_active, arrival.timeout_s, parsed):
+                await self._refuse(scope, receive, send, no.status, no.message, no.reason, no.headers())
+                return
         if checked is not raw:  # client uuids dropped or remote media inlined: hand on the rewritten body
             raw = checked
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-length"]
@@ -328,20 +370,17 @@ class InputGuardMiddleware:
             scope = hand_over(scope, raw, parsed)
         del parsed  # the scope holds it until taken, or dropped if the request waits for the engine
 
-        replayed = False
         current_request.set((f"POST {route_path(scope)}", raw))  # the forensic record's (server.guard.forensics)
         new_request()  # not entered until vLLM's serving layer hands this request to the engine client
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()  # then wait for the disconnect, as the server would
-
+        caller = Caller(receive, raw, arrival)
+        scope[Caller.SCOPE_KEY] = caller  # the hold at the door waits for the engine only while it is there
+        reply = caller.sender(send)
         if route_path(scope).startswith("/v1/messages"):  # vLLM's Anthropic routes answer every error 500
-            send = anthropic_client_errors(send)
-        await self.app(scope, replay, send)
+            reply = anthropic_client_errors(reply)
+        try:
+            await self.app(scope, caller.receive, reply)
+        finally:
+            await caller.finish(scope, send)
 
     def _inspect(self, raw: bytes, kind: RouteKind) -> _Inspected:
         """Parse the body once and run every check that needs no waiting (blocking: O(body); a large body's

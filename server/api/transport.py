@@ -27,7 +27,7 @@ from server.api.errors import error_response
 
 #: Headers a request may carry at most once: credentials and identity (who the client is), and what tells
 #: the door how to read the body.
-SINGLE_HEADERS = frozenset({b"authorization", b"x-request-id", b"content-type"})
+SINGLE_HEADERS = frozenset({b"authorization", b"x-request-id", b"content-type", b"x-request-timeout"})
 
 
 def repeated_header(headers: list[tuple[bytes, bytes]]) -> str | None:

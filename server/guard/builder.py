@@ -21,6 +21,7 @@ from server.guard import ipc_cache, output_faults, watchdog
 from server.guard.hold import HoldPolicy, RebuildPath
 from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine, EngineFactory, Placement, ServingRenderer, in_daemon_thread, teardown
+from server.guard.load import EngineLoad
 from server.guard.spare import Spares, publish
 from server.settings import GuardSettings
 from server.vllm_hooks import async_llm
@@ -93,6 +94,7 @@ class EngineBuilder:
         limits: HoldPolicy | None = None,
     ) -> None:
         self.engine_factory, self.settings, self.state_dir = engine_factory, settings, state_dir
+        self.load = EngineLoad()  # measures each engine built (admission's input: server.guard.load)
         self.spares, self.reap_children = spares, reap_children
         self.limits = limits or HoldPolicy.from_settings(settings)
         self.renderer = ServingRenderer()
@@ -143,6 +145,7 @@ class EngineBuilder:
         async_llm.on_engine_core_output(engine, on_step)
         if (processor := async_llm.output_processor_of(engine)) is not None:
             output_faults.confine(processor)  # a request whose output processing raises costs only itself
+            self.load.attach(processor)
         self.renderer.keep(engine)
         pids = async_llm.engine_core_pids(engine)
         # workers too: orphaned once their engine core dies

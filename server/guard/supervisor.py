@@ -89,6 +89,7 @@ class Supervisor:
         self.states = EngineStates()
         self.holds = HoldPolicy.from_settings(settings)
         self.builder = EngineBuilder(engine_factory, settings, self.state_dir, spares, reap_children, self.holds)
+        self.load = self.builder.load  # the current engine's queue and rates (admission: server.api.overload)
         self.restarts = RestartPolicy(settings, clock)
         #: Requests inside an engine now, and the probation slot for suspects.
         self.inflight = InflightLedger(self.holds.base_s, settings.probation_drain_timeout)

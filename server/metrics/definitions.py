@@ -127,8 +127,26 @@ API_TASKS = Gauge(
 REQUESTS_REJECTED = Counter(
     "vlguard_requests_rejected",
     "Requests refused at the door, by reason (media, body, body_too_large, overload, client_faults, poison, memory, "
-    "client_memory, route).",
+    "client_memory, route; under load: saturated, deadline, client_share, queued_reqs, queued_tokens).",
     ["reason"],
+)
+# -- load (API process) -------------------------------------------------------------------------------
+QUEUE_EXPECTED_WAIT = Gauge(
+    "vlguard_queue_expected_wait_seconds",
+    "Seconds a generation request arriving now can expect to wait before its prefill ends (admission's "
+    "estimate, sampled at each admission; vLLM's own vllm:request_queue_time_seconds measures the wait).",
+    multiprocess_mode="max",
+)
+REQUESTS_CANCELLED = Counter(
+    "vlguard_requests_cancelled",
+    "Requests ended before their answer because their caller went (disconnect) or their deadline passed "
+    "(deadline: X-Request-Timeout), wherever they were (held, queued, running or streaming).",
+    ["reason"],
+)
+ABORTED_TOKENS = Counter(
+    "vlguard_aborted_tokens",
+    "Tokens the engine generated for requests that ended without finishing (their caller went, their "
+    "deadline passed, the engine died under them): work spent for nobody.",
 )
 REQUESTS_QUARANTINED = Counter(
     "vlguard_requests_quarantined", "Requests refused because their fingerprint is quarantined."
@@ -226,8 +244,15 @@ for _reason in (
     "memory",
     "client_memory",
     "route",
+    "saturated",
+    "deadline",
+    "client_share",
+    "queued_reqs",
+    "queued_tokens",
 ):
     REQUESTS_REJECTED.labels(reason=_reason)
+for _reason in ("disconnect", "deadline"):
+    REQUESTS_CANCELLED.labels(reason=_reason)
 
 
 class _WrittenElsewhere:
