@@ -53,6 +53,11 @@ NO_COMPILE_WHEN_EAGER = {"TORCH_COMPILE_DISABLE": "1"}
 #: tests ask for it; the Docker test and ``make serve`` run as shipped (spare on).
 NO_SPARE = {"VLGUARD_SPARE": "off"}
 SPARE = ("--guard-spare", "on")
+#: Test servers admit without the queue-wait estimate unless they ask (``--guard-max-queue-wait``): the
+#: fault tests crawl their engines (0.2 s a step) under batches sent at once, where the estimate would
+#: refuse the late requests they count on; admission is tested in tests/unit/test_admission.py and
+#: tests/api/test_overload.py, and by ``vlguard bench`` (servers as shipped).
+NO_QUEUE_WAIT = {"VLGUARD_MAX_QUEUE_WAIT": "0"}
 
 
 @dataclass
@@ -69,6 +74,8 @@ class ServerProcess(servers.ServerProcess):
             self.env = {**NO_COMPILE_WHEN_EAGER, **self.env}
         if "--guard-spare" not in self.argv:
             self.env = {**NO_SPARE, **self.env}
+        if "--guard-max-queue-wait" not in self.argv:
+            self.env = {**NO_QUEUE_WAIT, **self.env}
 
 
 def _importable(module: str) -> bool:

@@ -68,6 +68,7 @@ class EngineLoad:
         self._service_s = 0.0
         self._swept = 0.0
         self._waiting_since: float | None = None  # since the queue last became non-empty
+        self._rate = (0.0, 0.0)  # the last rate measured (a prior once the recent starts have aged out)
 
     def attach(self, processor: Any) -> None:
         """Measure the engine whose ``OutputProcessor`` is ``processor`` from now on (a new engine after a
@@ -133,31 +134,44 @@ class EngineLoad:
         return Queue(waiting, tokens, len(states))
 
     def start_rate(self) -> tuple[float, float]:
-        """(requests, prompt tokens) leaving the prefill phase a second, over the recent starts; (0, 0)
-        when none started within :data:`RECENT_S` seconds."""
+        """(requests, prompt tokens) leaving the prefill phase a second, over the recent starts (read
+        :meth:`queue` first: whether requests wait now counts); when none
+        started within :data:`RECENT_S` seconds, the last rate measured ((0, 0): never)."""
         now = self._clock()
         while self._starts and now - self._starts[0][0] > RECENT_S:
             self._starts.popleft()
-        if not self._starts:
-            return 0.0, 0.0
-        span = max(now - self._starts[0][0], 0.1)  # one step's starts: not a rate of thousands a second
-        return len(self._starts) / span, sum(t for _, t in self._starts) / span
+        if self._starts:
+            # The starts after the oldest step's, over the time from that step to the newest start, plus
+            # the time requests have waited since then with none started (idle time, with nothing waiting,
+            # does not dilute it). Starts come in batches (a step starts several): counting the first
+            # step's would count one batch too many. All in one step: over the time since, as a floor.
+            first, last = self._starts[0][0], self._starts[-1][0]
+            later = [tokens for at, tokens in self._starts if at > first]
+            stall = now - max(last, self._waiting_since) if self._waiting_since is not None else 0.0
+            if later:
+                span = last - first + stall
+                self._rate = (len(later) / span, sum(later) / span)
+            else:
+                span = max(now - first, 0.1)
+                self._rate = (len(self._starts) / span, sum(t for _, t in self._starts) / span)
+        return self._rate
 
     def expected_wait(self, queue: Queue | None = None) -> float:
         """Seconds a request arriving now can expect to wait before its prefill ends: the requests (and
         prompt tokens) ahead of it over the rate they have been leaving the queue, the larger of the two;
-        0 with nothing waiting. With requests waiting and nothing started within :data:`RECENT_S`
-        seconds, how long requests have been waiting: a burst on an idle engine is admitted, an engine
-        that takes no work soon is not."""
+        0 with nothing waiting. With no start within :data:`RECENT_S` seconds, never less than how long
+        requests have now been waiting (an engine that takes no work is refused); before any rate was
+        measured (a new server's first burst), that alone."""
         queue = queue or self.queue()
         if not queue.waiting:
             return 0.0
         requests_s, tokens_s = self.start_rate()
+        since = self._waiting_since
+        stalled = self._clock() - since if since is not None and not self._starts else 0.0
         if requests_s <= 0:
-            since = self._waiting_since
-            return self._clock() - since if since is not None else 0.0
+            return stalled
         by_tokens = queue.queued_tokens / tokens_s if tokens_s > 0 else 0.0
-        return max(queue.waiting / requests_s, by_tokens)
+        return max(queue.waiting / requests_s, by_tokens, stalled)
 
     def service_s(self) -> float:
         """Average seconds from a request's start to its finish (0 before any finished)."""

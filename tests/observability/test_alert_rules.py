@@ -54,6 +54,11 @@ SCENARIOS: dict[str, tuple[list[dict[str, str]], str, str]] = {
         "20m",
     ),
     "VlguardRequestsHeld": (_series("vlguard_requests_held", "0 3x6", "0x7"), "2m", "4m"),
+    "VlguardSheddingLoad": (
+        _series("vlguard_requests_rejected_total", "0+60x20", "0x20", reason="saturated"),
+        "8m",
+        "16m",
+    ),
     "VlguardRequestsQuarantined": (_series("vlguard_requests_quarantined_total", "0 0 0 1 1", "0x4"), "1m", "4m"),
     "VlguardReadinessFlapping": (_series("vlguard_engine_up", "1 0 1 0 1 0 1 0", "1 0 1 1 1 1 1 1"), "3m", "7m"),
     "VlguardDeepstackPaddedReads": (_series("vlguard_deepstack_padded_reads_total", "0 0 0 5 5", "0x4"), "1m", "4m"),

@@ -177,7 +177,7 @@ def test_a_client_over_its_share_is_refused_while_others_wait_and_never_alone() 
 
 
 def test_the_queue_caps_mean_what_vllm_0_32_means() -> None:
-    clock, load, fake = engine(slots=4, tokens=10)
+    _clock, load, fake = engine(slots=4, tokens=10)
     gate = AdmissionGate(load, max_queue_wait_s=0, client_share=0.25, caps=QueueCaps.of(6, 250, processes=1))
     for _ in range(4):
         fake.add(prompt_len=10)
@@ -196,7 +196,7 @@ def test_the_queue_caps_mean_what_vllm_0_32_means() -> None:
 def test_an_aborted_request_counts_its_tokens_as_wasted() -> None:
     from server.metrics import definitions as m
 
-    clock, load, fake = engine(slots=4, tokens=100)
+    clock, _load, fake = engine(slots=4, tokens=100)
     before = m.ABORTED_TOKENS._value.get()
     rid = fake.add()
     run(clock, fake, 5)  # 5 tokens made
