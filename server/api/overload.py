@@ -134,6 +134,8 @@ class AdmissionGate:
             urgent: it ranks before the default priority under ``--scheduling-policy priority``: the queue
                 ahead of it is not the whole queue, so only the caps apply.
         """
+        if not self.max_queue_wait_s and self.caps == QueueCaps():
+            return None  # nothing to check: the queue is not read (O(requests in the engine))
         queue = self.load.queue()
         if (found := self._over_caps(queue, sequences)) is not None:
             return found

@@ -102,9 +102,9 @@ class EngineLoad:
             running[1] += new
             if output.finish_reason is not None:
                 del self._running[rid]
-                self._service_s += (
-                    SERVICE_WEIGHT * ((now - running[0]) - self._service_s) if self._service_s else (now - running[0])
-                )
+                took = now - running[0]
+                average = self._service_s
+                self._service_s = average + SERVICE_WEIGHT * (took - average) if average else took
         if now - self._swept >= SWEEP_S:
             self._sweep(states, now)
 

@@ -84,6 +84,16 @@ def run(clock: Clock, fake: FakeEngine, steps: int, step_s: float = 0.1) -> None
         fake.step()
 
 
+def queued(clock: Clock, fake: FakeEngine, waiting: int) -> None:
+    """A measured rate (8 requests run for 3 s), then ``waiting`` more behind the 4 running after one step."""
+    for _ in range(8):
+        fake.add()
+    run(clock, fake, 30)
+    for _ in range(waiting + 4):
+        fake.add()
+    run(clock, fake, 1)
+
+
 def test_an_idle_engine_admits_and_expects_no_wait() -> None:
     _, load, _ = engine()
     gate = AdmissionGate(load, max_queue_wait_s=5, client_share=0.25)
@@ -148,12 +158,7 @@ def test_a_stalled_engine_is_refused_once_its_queue_waited_past_the_bound() -> N
 def test_a_deadline_shorter_than_wait_and_service_is_refused() -> None:
     clock, load, fake = engine(slots=4, tokens=10)
     gate = AdmissionGate(load, max_queue_wait_s=30.0, client_share=0.25)
-    for _ in range(8):
-        fake.add()
-    run(clock, fake, 30)
-    for _ in range(12):
-        fake.add()
-    run(clock, fake, 1)
+    queued(clock, fake, waiting=8)
     wait = load.expected_wait()
     assert gate.refusal(timeout_s=wait + load.service_s() + 1) is None
     no = gate.refusal(timeout_s=wait)
@@ -163,12 +168,7 @@ def test_a_deadline_shorter_than_wait_and_service_is_refused() -> None:
 def test_a_client_over_its_share_is_refused_while_others_wait_and_never_alone() -> None:
     clock, load, fake = engine(slots=4, tokens=10)
     gate = AdmissionGate(load, max_queue_wait_s=30.0, client_share=0.25)
-    for _ in range(8):
-        fake.add()
-    run(clock, fake, 30)
-    for _ in range(16):
-        fake.add()
-    run(clock, fake, 1)  # 12 waiting, 16 unfinished
+    queued(clock, fake, waiting=12)  # 16 unfinished
     assert gate.refusal("addr:a", held=15, clients=1) is None  # alone: no one to be fair to
     no = gate.refusal("addr:a", held=9, clients=2)  # two clients: each may hold half of what is admitted
     assert no is not None and no.status == HTTPStatus.TOO_MANY_REQUESTS and no.reason == "client_share"
