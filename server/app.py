@@ -133,6 +133,7 @@ def admission_gate(args: argparse.Namespace, settings: GuardSettings, supervisor
         getattr(args, "api_server_count", None) or 1,
     )
     after_parse = getattr(args, "scheduling_policy", "fcfs") == "priority"
+    supervisor.load.processes = getattr(args, "api_server_count", None) or 1
     return AdmissionGate(supervisor.load, settings.max_queue_wait, settings.inflight_share, caps, after_parse)
 
 

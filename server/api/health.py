@@ -75,5 +75,6 @@ async def metrics(supervisor: SupervisorDep) -> Response:
 
     m.API_TASKS.set(len(asyncio.all_tasks()))  # a leak shows as a count that only grows
     m.QUARANTINED.set(supervisor.quarantine.quarantined_count())  # also after TTL expiry or eviction
+    supervisor.load.sweep()  # aborted requests' tokens, also when the abort left the engine idle
     body, content_type = render_latest()
     return Response(body, media_type=content_type)

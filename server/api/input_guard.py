@@ -37,6 +37,7 @@ When a request ends its body leaves the budget, and what its parse leaves behind
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -72,6 +73,7 @@ from server.api.poison import (
 )
 from server.api.remote_media import inline_remote_media
 from server.api.routes import RouteKind, post_kind
+from server.api.stream_start import refusals_before_start
 from server.guard.clients import client_key
 from server.guard.engine_client import new_request
 from server.guard.forensics import current_request
@@ -232,7 +234,8 @@ class InputGuardMiddleware:
             await self._refuse(scope, receive, send, arrival.status, arrival.message, arrival.reason, arrival.headers())
             return
         try:  # every body is bounded (size, time, budget, the client's share); only inputs are checked
-            await self._admit(scope, receive, send, held, who, kind, arrival)
+            with self.gate.admitted() if self.gate and kind is RouteKind.GENERATION else contextlib.nullcontext():
+                await self._admit(scope, receive, send, held, who, kind, arrival)
         finally:
             self.body_bytes -= held[0]
             self.client_bytes.add(who, -held[0])
@@ -374,7 +377,7 @@ class InputGuardMiddleware:
         new_request()  # not entered until vLLM's serving layer hands this request to the engine client
         caller = Caller(receive, raw, arrival)
         scope[Caller.SCOPE_KEY] = caller  # the hold at the door waits for the engine only while it is there
-        reply = caller.sender(send)
+        reply = refusals_before_start(caller.sender(send))  # an engine refusal answered before a stream's 200
         if route_path(scope).startswith("/v1/messages"):  # vLLM's Anthropic routes answer every error 500
             reply = anthropic_client_errors(reply)
         try:

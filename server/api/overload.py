@@ -19,8 +19,9 @@ reads). In order:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -82,10 +83,21 @@ class AdmissionGate:
         after_parse: bool = False,
     ) -> None:
         self.load = load
+        self.inside = 0  # generation requests admitted here and not yet ended (the door counts them)
         self.max_queue_wait_s = max_queue_wait_s
         self.client_share = client_share
         self.caps = caps
         self.after_parse = after_parse
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """A generation request admitted here, from its arrival until it ends: ahead of the next arrivals
+        until it reaches the engine (:attr:`inside`)."""
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
 
     def saturated(self) -> bool:
         """Whether a request arriving now would be refused for the expected wait (readiness)."""
@@ -109,7 +121,7 @@ class AdmissionGate:
         if self.after_parse:
             priority = body.get("priority", 0)
             urgent = isinstance(priority, int) and priority < 0
-            return self.refusal(who, mine, len(held), timeout_s, asked, urgent)
+            return self.refusal(who, mine, len(held), timeout_s, asked, urgent, counted=True)
         if asked > 1 and self.caps.requests is not None:  # the caps alone: the rest was checked before
             return self.refusal(who, mine, len(held), timeout_s, asked, urgent=True)
         return None
@@ -122,6 +134,7 @@ class AdmissionGate:
         timeout_s: float | None = None,
         sequences: int = 1,
         urgent: bool = False,
+        counted: bool = False,
     ) -> Refusal | None:
         """The refusal of a generation request arriving now, or None to admit it.
 
@@ -133,6 +146,11 @@ class AdmissionGate:
             sequences: the sequences it asks for (``n``; 1 before the body is read).
             urgent: it ranks before the default priority under ``--scheduling-policy priority``: the queue
                 ahead of it is not the whole queue, so only the caps apply.
+            counted: it is among :attr:`inside` already (decided after its body).
+
+        The wait is estimated over the engine's queue and the requests admitted here that have not reached
+        the engine yet (their bodies read, parsed, images decoded): under a burst, a queue read from the
+        engine alone admitted a whole burst before any of it arrived there.
         """
         if not self.max_queue_wait_s and self.caps == QueueCaps():
             return None  # nothing to check: the queue is not read (O(requests in the engine))
@@ -141,6 +159,8 @@ class AdmissionGate:
             return found
         if not self.max_queue_wait_s or urgent:
             return None
+        if pending := max(0, self.inside - counted - queue.unfinished):
+            queue = Queue(queue.waiting + pending, queue.queued_tokens, queue.unfinished + pending)
         wait = self.load.expected_wait(queue)
         m.QUEUE_EXPECTED_WAIT.set(wait if math.isfinite(wait) else 1e9)
         bound = self.max_queue_wait_s

@@ -145,7 +145,7 @@ class EngineBuilder:
         async_llm.on_engine_core_output(engine, on_step)
         if (processor := async_llm.output_processor_of(engine)) is not None:
             output_faults.confine(processor)  # a request whose output processing raises costs only itself
-            self.load.attach(processor)
+            self.load.attach(processor, async_llm.max_num_seqs(engine))
         self.renderer.keep(engine)
         pids = async_llm.engine_core_pids(engine)
         # workers too: orphaned once their engine core dies

@@ -62,6 +62,8 @@ class EngineLoad:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        self.processes = 1  # API processes sharing the engine's batch (--api-server-count)
+        self._batch = 0  # the engine's running slots (max_num_seqs; 0: unknown)
         self._processor: Any = None  # the current engine's OutputProcessor
         self._starts: collections.deque[tuple[float, int]] = collections.deque(maxlen=RECENT_STARTS)
         self._running: dict[str, list[float]] = {}  # request id -> [start time, tokens generated]
@@ -70,10 +72,11 @@ class EngineLoad:
         self._waiting_since: float | None = None  # since the queue last became non-empty
         self._rate = (0.0, 0.0)  # the last rate measured (a prior once the recent starts have aged out)
 
-    def attach(self, processor: Any) -> None:
-        """Measure the engine whose ``OutputProcessor`` is ``processor`` from now on (a new engine after a
-        rebuild: what the old one ran is forgotten)."""
-        self._processor = processor
+    def attach(self, processor: Any, batch: int = 0) -> None:
+        """Measure the engine whose ``OutputProcessor`` is ``processor`` and that runs ``batch`` requests at
+        once (``max_num_seqs``; 0: unknown) from now on (a new engine after a rebuild: what the old one ran
+        is forgotten)."""
+        self._processor, self._batch = processor, batch
         self._running.clear()
 
         def observed(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -107,6 +110,13 @@ class EngineLoad:
                 self._service_s = average + SERVICE_WEIGHT * (took - average) if average else took
         if now - self._swept >= SWEEP_S:
             self._sweep(states, now)
+
+    def sweep(self) -> None:
+        """Count the tokens of requests aborted since the last sweep now (``/metrics`` calls it: an engine
+        left idle by the abort produces no output that would sweep)."""
+        states = getattr(self._processor, "request_states", None)
+        if states is not None:
+            self._sweep(states, self._clock())
 
     def _sweep(self, states: dict[str, Any], now: float) -> None:
         """Requests vLLM no longer holds that never finished were aborted: their tokens were spent for
@@ -159,16 +169,19 @@ class EngineLoad:
     def expected_wait(self, queue: Queue | None = None) -> float:
         """Seconds a request arriving now can expect to wait before its prefill ends: the requests (and
         prompt tokens) ahead of it over the rate they have been leaving the queue, the larger of the two;
-        0 with nothing waiting. With no start within :data:`RECENT_S` seconds, never less than how long
-        requests have now been waiting (an engine that takes no work is refused); before any rate was
-        measured (a new server's first burst), that alone."""
+        0 with nothing waiting, or when the waiting requests fit the batch's free slots (this API process's
+        share of them): they start at the next step whatever rate an engine with little to do showed. With
+        no start within :data:`RECENT_S` seconds, never less than how long requests have now been waiting
+        (an engine that takes no work is refused); before any rate was measured (a new server's first
+        burst), that alone."""
         queue = queue or self.queue()
         if not queue.waiting:
             return 0.0
         requests_s, tokens_s = self.start_rate()
         since = self._waiting_since
         stalled = self._clock() - since if since is not None and not self._starts else 0.0
-        if requests_s <= 0:
+        free = self._batch // max(1, self.processes) - (queue.unfinished - queue.waiting) if self._batch else 0
+        if requests_s <= 0 or queue.waiting <= free:
             return stalled
         by_tokens = queue.queued_tokens / tokens_s if tokens_s > 0 else 0.0
         return max(queue.waiting / requests_s, by_tokens, stalled)

@@ -164,6 +164,7 @@ class InstanceAttribute:
 CORE, SCHED, KV = "vllm.v1.engine.core", "vllm.v1.core.sched.scheduler", "vllm.v1.core.kv_cache_manager"
 QWEN, QWEN_VL = "vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"
 _EC, _AL, _MD = "server.vllm_hooks.engine_core", "server.vllm_hooks.async_llm", "server.vllm_hooks.models"
+_OP = "vllm.v1.engine.output_processor"
 _SO, _BN = "server.vllm_hooks.structured_output", "server.vllm_hooks.bench"
 GRAMMAR, CHAT = "vllm.v1.structured_output.backend_xgrammar", "vllm.entrypoints.openai.chat_completion.serving"
 
@@ -295,6 +296,10 @@ INSTANCE_ATTRIBUTES: tuple[InstanceAttribute, ...] = (
     InstanceAttribute(SCHED, "Scheduler", "kv_cache_manager", "server.alignment"),
     InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "renderer", f"{_AL}: the serving renderer"),
     InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "output_processor", f"{_AL}:output_processor_of"),
+    InstanceAttribute("vllm.v1.engine.async_llm", "AsyncLLM", "vllm_config", f"{_AL}:max_num_seqs"),
+    InstanceAttribute(_OP, "OutputProcessor", "request_states", "server.guard.load: the engine's queue"),
+    InstanceAttribute(_OP, "RequestState", "is_prefilling", "server.guard.load: a request's start"),
+    InstanceAttribute(_OP, "RequestState", "prompt_len", "server.guard.load: queued prompt tokens"),
 )
 
 #: Read where present, absent on some lanes (``getattr`` with a default; nothing to check):

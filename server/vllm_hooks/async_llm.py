@@ -65,6 +65,12 @@ def on_engine_core_output(engine: Engine, callback: Callable[[], None]) -> bool:
     return True
 
 
+def max_num_seqs(engine: Engine) -> int:
+    """The engine's ``max_num_seqs`` (requests it runs at once), 0 where it has no ``vllm_config``."""
+    config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+    return int(getattr(config, "max_num_seqs", 0) or 0)
+
+
 def output_processor_of(engine: Engine) -> Any:
     """``engine.output_processor`` (vLLM's ``OutputProcessor``), or None (a test's fake engine)."""
     return getattr(engine, "output_processor", None)

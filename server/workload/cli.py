@@ -12,7 +12,7 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("model", help="model path or name, as for `vllm serve`")
     cmp_.add_argument(
         "--scenario",
-        choices=[*sorted(compare.SCENARIOS), "fault", "poison", "front", "engine"],
+        choices=[*sorted(compare.SCENARIOS), "fault", "poison", "front", "engine", "overload"],
         default="overhead",
         help="overhead: vlguard vs stock; noise: stock vs stock (the machine's floor); "
         "kill: engine killed mid-run, vlguard vs stock; "
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "per-client fault budget (test fault plugin); front: the API process alone, stock's app vs vlguard's "
         "and stock vs stock, over a null engine core: CPU per request; engine: the engine core in-process, "
         "vLLM's own vs with vlguard's engine-side hooks and stock vs stock, on one recorded step sequence: "
-        "cost per step (default overhead)",
+        "cost per step; overload: open-loop floods at multiples of stock's capacity, stock then vlguard: "
+        "goodput, refusals, wasted tokens (default overhead)",
     )
     cmp_.add_argument("--rounds", type=int, default=6, help="measured rounds, the order rotated each round (default 6)")
     cmp_.add_argument(
@@ -149,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="overhead: without the A/A stock twin (two servers instead of three: quicker, but the figures are "
         "not set against the machine's floor)",
     )
+    ov = cmp_.add_argument_group("overload")
+    ov.add_argument(
+        "--multipliers",
+        type=lambda s: tuple(float(x) for x in s.split(",")),
+        default=(1.0, 2.0, 3.0, 5.0),
+        help="offered loads in multiples of stock's measured capacity (default 1,2,3,5)",
+    )
+    ov.add_argument("--point-duration", type=float, default=40.0, help="seconds of each flood (default 40)")
+    ov.add_argument("--caller-timeout", type=float, default=15.0, help="seconds a caller waits (default 15)")
     _workload_args(cmp_)
     sub.add_parser("normalize", help="Time image normalisation, off vs on, per image (no server).")
     return parser
@@ -297,6 +307,8 @@ def compare_main(args: argparse.Namespace, serve_args: list[str]) -> int:
         return _fault_main(opts, stem)
     if args.scenario == "poison":
         return _poison_main(opts, stem)
+    if args.scenario == "overload":
+        return _overload_main(opts, args, stem)
     if args.scenario == "front":
         return _front_main(opts, stem)
     if args.scenario == "engine":
@@ -396,6 +408,22 @@ def _scale_main(opts: compare.CompareOptions, kind: str, sizes: tuple[int, ...],
         print(line)
     result |= {"scenario": kind, "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload}
     print("wrote", _write_json(stem.with_name(stem.name + "-scale.json"), result))
+    return 0
+
+
+def _overload_main(opts: compare.CompareOptions, args: argparse.Namespace, stem: Path) -> int:
+    from server.workload import overload
+
+    load = overload.Load(args.multipliers, args.point_duration, args.caller_timeout)
+    result = overload.overload(replace(opts, trace=False), load)  # no phase trace: latency is not measured
+    for line in overload.summary_lines(result):
+        print(line)
+    result |= {"scenario": "overload", "model": opts.model, "serve_args": opts.serve_args, "workload": opts.workload}
+    written = [
+        _write_json(stem.with_suffix(".json"), result),
+        plots.goodput_plot({k: v["points"] for k, v in result["systems"].items()}, stem.with_name(stem.name + ".png")),
+    ]
+    print("wrote", *written)
     return 0
 
 

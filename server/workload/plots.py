@@ -3,6 +3,7 @@
 - :func:`latency_plot`: empirical CDFs of TTFT and end-to-end latency, one line per system.
 - :func:`timeline_plot`: a kill-and-recover timeline: successful requests per second and errors per
   second for each system, time measured from the engine kill (at 0).
+- :func:`goodput_plot`: goodput and wasted tokens against offered load (``--scenario overload``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,31 @@ def timeline_plot(runs: dict[str, tuple[list[Record], float]], path: Path, bin_s
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since the kill")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def goodput_plot(systems: dict[str, list[dict[str, float]]], path: Path) -> Path:
+    """Goodput (answers in time over the reference capacity) and wasted token share against offered load
+    (multiples of that capacity), one line per system, the ideal ``min(load, 1)`` dashed; writes ``path``.
+    ``systems`` maps a system to its points (``multiplier``, ``goodput``, ``wasted_share``)."""
+    fig, (good, waste) = plt.subplots(1, 2, figsize=(11, 4.2))
+    loads = sorted({p["multiplier"] for points in systems.values() for p in points})
+    good.plot([0, *loads], [0, *(min(x, 1.0) for x in loads)], "k--", linewidth=1, label="ideal")
+    for name, points in systems.items():
+        xs = [p["multiplier"] for p in points]
+        good.plot(xs, [p["goodput"] for p in points], "o-", label=name)
+        waste.plot(xs, [100 * p["wasted_share"] for p in points], "o-", label=name)
+    good.set_ylabel("goodput (answered in time / capacity)")
+    waste.set_ylabel("tokens generated for callers who had gone (%)")
+    for ax in (good, waste):
+        ax.set_xlabel("offered load (x capacity)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    fig.suptitle("goodput under overload")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

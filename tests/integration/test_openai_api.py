@@ -132,3 +132,32 @@ def test_a_request_the_engine_cannot_take_is_a_400_on_the_real_engine(server: Se
         assert resp.status_code == 400 and any(n in resp.json()["error"]["message"] for n in needles), resp.text
     assert httpx.post(server.url + "/v1/chat/completions", json=chat_body(model_name), timeout=120).status_code == 200
     assert metric(server, "vlguard_engine_deaths_total") == deaths
+
+
+STREAM_REFUSALS = {
+    "top_logprobs over --max-logprobs": ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "logprobs"),
+    "prompt token id outside the vocabulary": ("/v1/completions", {"prompt": [1, 2, 10**9]}, "token"),
+    "vllm_xargs beyond 64 bits": ("/v1/chat/completions", {"vllm_xargs": {"k": 2**70}}, "2**64"),
+}
+
+
+@pytest.mark.parametrize("case", STREAM_REFUSALS)
+def test_a_stream_the_engine_refuses_is_a_400_before_its_200(server: ServerProcess, model_name: str, case: str) -> None:
+    """CASES C24: vLLM starts a stream's 200 before its engine client checks the request, and the refusal
+    came as the stream's error event (stock 0.20.0: 200, then ``data: {"error": ...}``). Streamed, it is the
+    400 the same request gets unstreamed, in the OpenAI envelope."""
+    path, extra, needle = STREAM_REFUSALS[case]
+    body = {"model": model_name, "max_tokens": 2, "stream": True, **extra}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as resp:
+        text = resp.read().decode()
+    assert resp.status_code == 400 and resp.headers["content-type"].startswith("application/json"), text
+    error = httpx.Response(400, content=text).json()["error"]
+    assert error["code"] == 400 and needle in error["message"].lower(), error
+    ok = {**body, "max_tokens": 2}
+    ok.pop("logprobs", None), ok.pop("top_logprobs", None), ok.pop("vllm_xargs", None)
+    if path == "/v1/completions":
+        ok["prompt"] = [1, 2, 3]
+    with httpx.stream("POST", server.url + path, json=ok, timeout=120) as resp:
+        assert resp.status_code == 200 and "[DONE]" in resp.read().decode()

@@ -120,6 +120,47 @@ def test_the_expected_wait_is_the_queue_over_the_rate_requests_start() -> None:
     assert load.service_s() == pytest.approx(0.9)  # first token to the last of 10, one step each
 
 
+def test_requests_that_fit_the_free_batch_slots_expect_no_wait_whatever_rate_was_seen() -> None:
+    """An engine that had little to do shows a start rate that is its arrivals' (one a few seconds), not
+    what it can do: four arriving at once to an idle batch of four start at the next step. A fifth waits
+    for the rate. With two API processes each counts on half the batch."""
+    clock, load, fake = engine(slots=4, tokens=10)
+    load._batch = 4  # what attach() keeps: the engine's max_num_seqs
+    for _ in range(4):  # one request every 5 s: a rate of 0.2 a second
+        fake.add()
+        run(clock, fake, 50)
+    for _ in range(4):
+        fake.add()
+    assert load.queue() == Queue(4, 400, 4)
+    assert load.expected_wait() == 0.0
+    fake.add()
+    assert load.expected_wait() > 5.0
+    load.processes = 2
+    fake.request_states.popitem()
+    assert load.expected_wait() > 5.0  # 4 waiting, 2 free slots in this process's share
+
+
+def test_requests_admitted_but_not_yet_in_the_engine_count_as_waiting() -> None:
+    """A burst arrives faster than its bodies reach the engine (read, parsed, images decoded): the engine's
+    queue alone showed none of it, and the whole burst was admitted (measured: half of the admitted callers
+    at 5x capacity gave up). The requests admitted at the door and not yet in the engine wait too."""
+    clock, load, fake = engine(slots=4, tokens=10)
+    gate = AdmissionGate(load, max_queue_wait_s=2.0, client_share=0.25)
+    for _ in range(8):
+        fake.add()
+    run(clock, fake, 30)  # a rate is measured (about 4 a second)
+    admitted = 0
+    for _ in range(60):  # 60 arrive before any reaches the engine
+        if gate.refusal() is None:
+            gate.inside += 1
+            admitted += 1
+    assert 6 <= admitted <= 12, admitted
+    gate.inside += 1  # one more, decided after its body (counted already): not ahead of itself
+    assert gate.refusal(counted=True) is not None
+    gate.inside = 0  # they all reached the engine and ended: admitted again
+    assert gate.refusal() is None
+
+
 def test_the_gate_refuses_while_the_wait_is_past_the_bound_and_admits_once_the_queue_drains() -> None:
     clock, load, fake = engine(slots=4, tokens=10)
     gate = AdmissionGate(load, max_queue_wait_s=2.0, client_share=0.25)
