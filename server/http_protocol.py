@@ -8,6 +8,9 @@ and when the first bytes of each next request arrive; the connection is closed i
 (its headers complete) when ``header_timeout_s`` has passed. Idle keep-alive connections are left to
 uvicorn's own timeout.
 
+A client's IPv4-mapped address (an IPv4 client of a dual-stack listener) is written in its IPv4 form before
+anything reads it (:func:`ipv4_form`).
+
 It also bounds a request's head (request line and headers) in bytes: uvicorn's httptools parser takes any
 number of headers, each through a Python callback on the event loop (a 98 MB header block was parsed into
 a 200, holding the loop 1.2 s and leaving the process 600 MB larger); h11 bounds it only at vLLM's 4 MiB.
@@ -18,6 +21,7 @@ then seen at most that and one read more.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +45,10 @@ class _HeadGuard(_ProtocolBase):
     :func:`with_header_timeout`, which sets the three class attributes).
 
     httptools hands each request's URL and headers to Python callbacks: they are counted there, exactly,
-    whenever the head arrives (a head pipelined behind a slow response too). h11 parses a head only between
-    responses (it stops reading meanwhile): bytes are counted while the head is awaited."""
+    whenever the head arrives (a head pipelined behind a slow response too); a header hands over only once
+    it ends, so the raw bytes of every read that left the head unfinished are counted too (a value or a
+    name that never ends). h11 parses a head only between responses (it stops reading meanwhile): bytes are
+    counted while the head is awaited."""
 
     header_timeout_s: float
     max_head_bytes: int
@@ -50,11 +56,16 @@ class _HeadGuard(_ProtocolBase):
     _header_clock: asyncio.TimerHandle | None = None
     _waiting_for: Any = None  # the cycle a new request's headers replace
     _head_bytes = 0  # bytes of the request's head received so far
+    _in_head = False  # httptools: a request's head began and has not ended
+    _raw_head = 0  # httptools: bytes of the reads that left the head unfinished
     _over = False  # the head ran past the bound (httptools: the parser stopped on it)
     _refused = False  # a head past the bound was answered 431: what follows is dropped
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        client = getattr(self, "client", None)  # an IPv4 client of a dual-stack listener: ::ffff:a.b.c.d
+        if client:
+            self.client = (ipv4_form(client[0]), *client[1:])
         self._start_header_clock()
 
     def data_received(self, data: bytes) -> None:
@@ -63,7 +74,13 @@ class _HeadGuard(_ProtocolBase):
         if self._header_clock is None and self._between_requests():
             self._start_header_clock()
         super().data_received(data)
-        if self.by_callbacks or self._header_clock is None or getattr(self, "cycle", None) is not self._waiting_for:
+        if self.by_callbacks:
+            if self._in_head and not self._refused:  # the parse left the head unfinished: this read was head
+                self._raw_head += len(data)
+                if self._raw_head > self.max_head_bytes:
+                    self._refuse_head()
+            return
+        if self._header_clock is None or getattr(self, "cycle", None) is not self._waiting_for:
             return
         self._head_bytes += len(data)  # the head has not ended: every byte so far was head
         if self._head_bytes > self.max_head_bytes:
@@ -71,8 +88,13 @@ class _HeadGuard(_ProtocolBase):
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
-        self._head_bytes = 0
+        self._head_bytes = self._raw_head = 0
+        self._in_head = True
         super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
@@ -143,6 +165,19 @@ class _HeadGuard(_ProtocolBase):
         transport = getattr(self, "transport", None)
         if getattr(self, "cycle", None) is waiting_for and transport is not None and not transport.is_closing():
             transport.close()
+
+
+def ipv4_form(host: str) -> str:
+    """``host`` as its IPv4 form when it is an IPv4-mapped IPv6 address (``::ffff:127.0.0.1`` ->
+    ``127.0.0.1``), else unchanged: the trusted-proxy list, the loopback rules and the client identities
+    then see one address, whichever socket family accepted it."""
+    if not host.startswith("::ffff:") and not host.startswith("::FFFF:"):
+        return host
+    try:
+        mapped = ipaddress.IPv6Address(host).ipv4_mapped
+    except ValueError:
+        return host
+    return str(mapped) if mapped is not None else host
 
 
 def with_header_timeout(

@@ -62,6 +62,31 @@ def require_operator(request: Request) -> None:
             HTTPStatus.FORBIDDEN,
             "admin routes need --guard-operator-key or --api-key (or --guard-admin-loopback on for loopback clients)",
         )
+    if not _own_host(request):
+        raise HTTPException(
+            HTTPStatus.FORBIDDEN, "admin routes trust loopback clients only under the server's own Host"
+        )
+
+
+def _own_host(request: Request) -> bool:
+    """Whether the request's ``Host`` names this server: ``localhost``, a loopback address, or the address it
+    listens on. A page whose name was rebound to the loopback (DNS rebinding) sends its own name: with the
+    loopback trusted and no key, its script would otherwise read the operator routes."""
+    host = request.headers.get("host", "")
+    name = (
+        host[1:].partition("]")[0]
+        if host.startswith("[")
+        else host.rpartition(":")[0]
+        if host.count(":") == 1
+        else host
+    )
+    server = request.scope.get("server") or ("",)
+    if name.lower() == "localhost" or name == server[0]:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 Operator = Annotated[None, Depends(require_operator)]

@@ -50,6 +50,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.api.admission import route_path
 from server.api.caller import Arrival, Caller, timeout_of
 from server.api.errors import RETRY_AFTER_S, anthropic_client_errors, error_response
+from server.api.fields import check_fields
 from server.api.garbage import FinishedBodies
 from server.api.media import (
     MediaCheck,
@@ -418,6 +419,7 @@ class InputGuardMiddleware:
         if items is not None:  # before any other work: more items than allowed are refused at once
             count_items(body, items)
         check_prompt_length(walked, rules)  # before anything tokenizes it (the door's own walks are bounded too)
+        check_fields(body)  # the fields beside the input: vLLM works through their items one by one
         generation = kind is RouteKind.GENERATION
         if generation:
             check_sequences(body, self.max_sequences)

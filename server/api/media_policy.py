@@ -16,7 +16,9 @@ vlguard's connector (:mod:`server.vllm_hooks.media_connector`) applies this poli
   applies to (EXIF orientation, transparency, 16/32-bit) is normalised before vLLM decodes it, in the
   bounded decode pool (:mod:`server.api.decode_pool`); every other image is loaded byte for byte. Video
   frames are not normalised;
-* **frame count**: a video decodes at most ``--guard-max-video-frames`` frames;
+* **frame count**: a video decodes at most ``--guard-max-video-frames`` frames, and its frames together at
+  most :data:`VIDEO_PIXELS_PER_IMAGE` times ``max_image_pixels`` (each frame alone may be as large as an
+  image: 12 frames of 7000x7000 took 5.3 GB);
 * **per-request ``media_io_kwargs``**: only ``video.num_frames`` (1 to the frame bound) and ``video.fps``
   (above 0, at most :data:`MAX_FPS`) may differ from the server's ``--media-io-kwargs``; anything else a
   request sets (``video_backend``, ``num_frames: -1``, image options) is refused.
@@ -54,6 +56,8 @@ from server.vllm_hooks.locations import upstream_decode_budget, upstream_image_r
 
 logger = logging.getLogger(__name__)
 
+#: A video's frames together may hold this many times the largest image's pixels (32 frames of 1080p fit).
+VIDEO_PIXELS_PER_IMAGE = 2
 #: The highest frame rate a request may ask a video to be sampled at.
 MAX_FPS = 60.0
 
@@ -235,6 +239,15 @@ class MediaPolicy:
         if count > self.max_video_frames:
             raise _refuse(f"{where}: {count} frames, more than the limit of {self.max_video_frames}")
 
+    def video_pixels(self, where: str, pixels: int) -> None:
+        """Check the pixels of a video's frames together (``pixels``: frames times each one's).
+
+        Raises:
+            MediaError: more than :data:`VIDEO_PIXELS_PER_IMAGE` times ``max_image_pixels``.
+        """
+        if pixels > (budget := VIDEO_PIXELS_PER_IMAGE * self.limits.max_image_pixels):
+            raise _refuse(f"{where}: its frames hold {pixels} pixels together, more than the limit of {budget}")
+
     def video_container(self, where: str, data: bytes, num_frames: int) -> None:
         """Check a container video (mp4, webm, ...) from its header before any frame is decoded: its frame
         size against the pixel bound, the frames it would decode against the frame bound.
@@ -259,4 +272,6 @@ class MediaPolicy:
         if width * height > self.limits.max_image_pixels:
             raise _refuse(f"{where}: frames of {width}x{height} = {width * height} pixels, more than the limit of "
                           f"{self.limits.max_image_pixels}")  # fmt: skip
-        self.frames(where, min(total, num_frames) if num_frames > 0 else total)
+        decoded = min(total, num_frames) if num_frames > 0 else total
+        self.frames(where, decoded)
+        self.video_pixels(where, decoded * width * height)

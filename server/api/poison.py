@@ -67,6 +67,13 @@ class PoisonRules:
 
 #: Keys whose string values (and lists of strings) are prompt text, in every request shape of vLLM's routes.
 TEXT_KEYS = frozenset({"prompt", "text", "content", "input", "system", "instructions"})
+#: Top-level fields that are the request's input: every string under them (roles, names, tool definitions,
+#: template arguments) may reach the chat template or the tokenizer, so all count as prompt text but media.
+INPUT_KEYS = TEXT_KEYS | {"messages", "tools", "functions", "tool_choice", "chat_template_kwargs", "documents"}
+#: Keys under which a string is media or embeddings (a URL, a data URI, base64 data or tensors), not text:
+#: bounded by the media checks, the body's size and vLLM's own flags (``--enable-prompt-embeds``).
+MEDIA_KEYS = frozenset({"url", "data", "file_data", "image_url", "video_url", "audio_url", "image",
+                        "image_embeds", "audio_embeds", "prompt_embeds"})  # fmt: skip
 
 
 def _refuse(message: str, reason: str = "poison") -> MediaError:
@@ -80,7 +87,8 @@ class BodyWalk:
 
     Attributes:
         objects: JSON objects (dicts) at any depth.
-        prompt_chars: characters of the strings under :data:`TEXT_KEYS`.
+        prompt_chars: characters of the strings under :data:`INPUT_KEYS` (at the top) and :data:`TEXT_KEYS`
+            (anywhere), but media (under :data:`MEDIA_KEYS`, or a ``data:`` URI).
         prompt_ids: the length of the longest list of token ids there (a completions ``prompt``, or one of
             a batch).
         non_finite: a float that is not finite is somewhere (a literal such as ``1e999`` parses as one).
@@ -100,16 +108,19 @@ def walk(body: Any, max_objects: int | None = None) -> BodyWalk:
     objects = chars = longest = 0
     non_finite = False
     stack: list[tuple[Any, bool]] = [(body, False)]
+    top = True
     while stack:
         value, is_text = stack.pop()
         kind = type(value)  # a parsed body holds exactly these types
         if kind is str:
-            chars += len(value) if is_text else 0
+            chars += len(value) if is_text and not value.startswith("data:") else 0
         elif kind is dict:
             objects += 1
             if max_objects is not None and objects > max_objects:
                 break
-            stack += [(item, key in TEXT_KEYS) for key, item in value.items()]
+            keys = INPUT_KEYS if top else TEXT_KEYS
+            stack += [(item, (is_text or key in keys) and key not in MEDIA_KEYS) for key, item in value.items()]
+            top = False
         elif kind is list:
             if is_text and value and all(type(item) is int for item in value):
                 longest = max(longest, len(value))

@@ -219,22 +219,28 @@ class GuardedEngineClient:
         self._port = port
         # The serving layer's request id -> the ids its requests are inside the engine under now. A client
         # chooses the serving layer's id (``X-Request-Id``): two requests with one id go to the engine as
-        # two ids (the second with a ``~N`` suffix), so the ledger, fault charging and aborts tell them apart.
+        # two ids (the second with a ``~N`` suffix), so the ledger, fault charging and aborts tell them apart;
+        # no id in use is given twice, so a client that picks a suffixed id collides with nobody either.
         self._engine_ids: dict[str, list[str]] = {}
+        self._in_engine: set[str] = set()
         self._seq = 0
 
     def _claim(self, request_id: str) -> str:
-        """A fresh engine-side id for a request the serving layer calls ``request_id``."""
-        taken = self._engine_ids.setdefault(request_id, [])
-        self._seq += 1
-        engine_id = f"{request_id}~{self._seq}" if taken else request_id
-        taken.append(engine_id)
+        """A fresh engine-side id for a request the serving layer calls ``request_id`` (unique among the
+        ids in use)."""
+        engine_id = request_id
+        while engine_id in self._in_engine:
+            self._seq += 1
+            engine_id = f"{request_id}~{self._seq}"
+        self._engine_ids.setdefault(request_id, []).append(engine_id)
+        self._in_engine.add(engine_id)
         return engine_id
 
     def _release(self, request_id: str, engine_id: str) -> None:
         taken = self._engine_ids.get(request_id, [])
         if engine_id in taken:
             taken.remove(engine_id)
+            self._in_engine.discard(engine_id)
         if not taken:
             self._engine_ids.pop(request_id, None)
 

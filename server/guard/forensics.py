@@ -48,8 +48,20 @@ current_request: contextvars.ContextVar[tuple[str, bytes] | None] = contextvars.
 
 #: Record writes waiting at once; more are dropped (a flood of faults must not grow memory).
 MAX_PENDING = 64
-#: Engine arguments whose name says they hold a secret: never written.
+#: Engine arguments whose name says they hold a secret: never written (nor such keys inside a value).
 SECRET = re.compile(r"key|token|secret|password|credential", re.IGNORECASE)
+#: A secret inside a text value: a URL's user information, or ``name=value`` / ``name: value`` whose name
+#: says it is a secret (a query string, a JSON or option string).
+_SECRET_IN_TEXT = (
+    (re.compile(r"(?<=://)[^/@\s]+@"), "<redacted>@"),
+    (
+        re.compile(r"(?i)([\w.-]*(?:key|token|secret|password|credential)[\w.-]*[\"']?\s*[=:]\s*[\"']?)[^\s&,;\"'}]+"),
+        r"\1<redacted>",
+    ),
+)
+REDACTED = "<redacted>"
+#: A record's file name: its fingerprint (16 hex characters, server.guard.quarantine.fingerprint).
+_RECORD_NAME = re.compile(r"[0-9a-f]{16}\.json")
 #: A ``data:`` URL in a body (an inline image, video or audio).
 _DATA_URL = re.compile(r"^data:[^,]{0,200},", re.IGNORECASE)
 #: What stands in a record's body for an omitted media item.
@@ -110,8 +122,21 @@ def engine_facts(engine_args: dict[str, Any]) -> dict[str, Any]:
             json.dumps(value)
         except (TypeError, ValueError):
             value = repr(value)
-        args[name] = value
+        args[name] = redact(value)
     return {"vllm_version": vllm.__version__, "vlguard_version": __version__, "args": args}
+
+
+def redact(value: Any) -> Any:
+    """``value`` (JSON-like) with every secret inside it replaced by :data:`REDACTED`: the values of keys
+    whose name says they hold one (:data:`SECRET`), and secrets written into text (:data:`_SECRET_IN_TEXT`)."""
+    if isinstance(value, dict):
+        return {k: REDACTED if SECRET.search(str(k)) else redact(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        for pattern, replacement in _SECRET_IN_TEXT:
+            value = pattern.sub(replacement, value)
+    return value
 
 
 def _omit_media(value: Any) -> Any:
@@ -255,6 +280,8 @@ class Forensics:
         stays)."""
         records = []
         for path in self.directory.glob("*.json"):
+            if not _RECORD_NAME.fullmatch(path.name):  # not one of its records: another's file, left alone
+                continue
             try:
                 stat = path.stat()
             except OSError:

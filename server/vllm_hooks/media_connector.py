@@ -65,6 +65,7 @@ class MediaPolicy(Protocol):
     async def normalized_async(self, where: str, data: bytes, pixels: int) -> bytes: ...
     def base64_payload(self, where: str, payload: str) -> bytes: ...
     def frames(self, where: str, count: int) -> None: ...
+    def video_pixels(self, where: str, pixels: int) -> None: ...
     def video_container(self, where: str, data: bytes, num_frames: int) -> None: ...
     @property
     def image_cache(self) -> ImageCache: ...
@@ -96,6 +97,7 @@ class _CheckedImageIO:
 
     def __init__(self, inner: Any, where: str, normalize: bool, defer: bool = False) -> None:
         self._inner, self._where, self._normalize, self._defer = inner, where, normalize, defer
+        self.pixels = 0  # the pixels of the images loaded so far (a video's frames: bounded together)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -103,6 +105,9 @@ class _CheckedImageIO:
     def load_bytes(self, data: bytes) -> Any:
         policy = _current()
         header = policy.image_bytes(self._where, data, rules=self._normalize)
+        if self._where == "video frame":
+            self.pixels += header.pixels
+            policy.video_pixels("video", self.pixels)
         if header.rules and self._defer:
             raise _Deferred(data, header.pixels)
         if header.rules:
@@ -132,11 +137,12 @@ class _CheckedImageIO:
 
 class _CheckedVideoIO:
     """A video media IO whose loads meet the policy first: frame count, each ``video/jpeg`` frame as an
-    image, a container video's header."""
+    image and the frames' pixels together, a container video's header."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        inner.image_io = _CheckedImageIO(inner.image_io, "video frame", normalize=False)  # as vLLM converts them
+        self._frames = _CheckedImageIO(inner.image_io, "video frame", normalize=False)  # as vLLM converts them
+        inner.image_io = self._frames
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -149,6 +155,7 @@ class _CheckedVideoIO:
         if media_type.lower() == "video/jpeg":  # frames decoded one by one through the checked image IO
             sent, asked = data.count(",") + 1, int(self._inner.num_frames)
             _current().frames("video", min(sent, asked) if asked > 0 else sent)
+            self._frames.pixels = 0  # this video's frames, counted as they load
             return self._inner.load_base64(media_type, data)
         import pybase64
 

@@ -227,6 +227,60 @@ async def test_a_prompt_far_beyond_the_context_is_refused_before_it_is_tokenized
     assert (await api.client.post("/tokenize", json=fits)).status_code == 200
 
 
+async def test_every_text_the_template_reads_counts_toward_the_prompt_bound(api: Api) -> None:
+    """#61: an 8 MB ``role`` on /tokenize took 45 s and delayed another client's chat as long; tool
+    definitions, names and template arguments are the same kind. Every string under the input fields counts,
+    media excepted; each refused at once while another request is served."""
+    text = "a" * (api.app.state.poison_rules.max_prompt_chars + 1)
+    chat = {"model": api.model, "max_tokens": 1}
+    tool = {"type": "function", "function": {"name": "f", "description": text, "parameters": {"type": "object"}}}
+    cases = {
+        "role": ("/tokenize", {"model": api.model, "messages": [{"role": text, "content": "hi"}]}),
+        "name": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "name": text, "content": "hi"}]}),
+        "tool": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}),
+        "template argument": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}],
+                                                       "chat_template_kwargs": {"x": text}}),
+    }  # fmt: skip
+    for case, (path, body) in cases.items():
+        started = time.monotonic()
+        other = asyncio.create_task(api.client.post("/v1/chat/completions", json=chat_body(api.model)))
+        resp = await api.client.post(path, json=body)
+        assert resp.status_code == 400 and "cannot fit the model's context" in resp.text, (case, resp.text[:300])
+        assert time.monotonic() - started < 1.0 and (await other).status_code == 200, case
+    image = {"type": "image_url", "image_url": {"url": DEEP}}  # media is not text: bounded as media
+    resp = await api.client.post(
+        "/tokenize", json={"model": api.model, "messages": [{"role": "user", "content": [image]}]}
+    )
+    assert "cannot fit" not in resp.text, resp.text[:300]
+
+
+FIELDS = {
+    "stop": ["x"] * 2000,
+    "bad_words": ["word"] * 2000,
+    "logit_bias": {str(i): 1 for i in range(2000)},
+    "allowed_token_ids": list(range(2000)),
+    "structured_outputs": {"choice": [f"c{i}" for i in range(2000)]},
+    "vllm_xargs": {"k": "v" * 70_000},
+    "an_unknown_field": "u" * 70_000,
+    "model": "m" * 5_000_000,
+}
+
+
+@pytest.mark.parametrize("field", FIELDS)
+async def test_fields_beside_the_input_are_bounded_before_vllm_reads_them(api: Api, field: str) -> None:
+    """#61: 500,000 ``bad_words`` held /health 29 s, 900,000 ``stop`` strings 17 s: vLLM works through them
+    item by item. Any list or object beside the input holds at most 1024 items, and those fields at most
+    64 KiB of text together: 400 naming the field, at once, while /health answers."""
+    body = {**chat_body(api.model), field: FIELDS[field]}
+    started = time.monotonic()
+    health = asyncio.create_task(api.client.get("/health"))
+    resp = await api.client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["message"].startswith(field), resp.text[:300]
+    assert time.monotonic() - started < 2.0 and (await health).status_code == 200
+    within = {**chat_body(api.model), "stop": ["x"] * 100, "logit_bias": {"1": 1}}
+    assert (await api.client.post("/v1/chat/completions", json=within)).status_code == 200
+
+
 async def test_a_prompt_of_more_token_ids_than_the_context_is_refused_before_it_is_validated(api: Api) -> None:
     """Hostile review: 990,000 token ids to /v1/completions held the event loop 133 ms in vLLM's request
     validation before its own 400. A prompt of token ids (alone, or one of a batch) longer than

@@ -170,6 +170,23 @@ async def test_video_frames_meet_the_image_bounds_and_the_frame_bound(api: Api) 
         await connector.fetch_video_async("http://127.0.0.1:1/v.mp4")
 
 
+async def test_a_videos_frames_together_are_bounded(make_api: Any) -> None:
+    """#61: each frame alone may be as large as an image; 12 frames of 7000x7000 took 5.3 GB. A video's
+    frames together hold at most twice the largest image's pixels (here 1 MP: frames of 1 MP, the third
+    refused before it is decoded)."""
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
+
+    await make_api("--guard-max-image-pixels", "1000000")
+    connector = MEDIA_CONNECTOR_REGISTRY.load("http", media_io_kwargs={"video": {"num_frames": 8}})
+    frame = base64.b64encode(_large_png(1000, 1000)).decode()
+    frames, _ = await connector.fetch_video_async(f"data:video/jpeg;base64,{frame},{frame}")
+    assert len(frames) == 2
+    with pytest.raises(ValueError, match="frames hold 3000000 pixels together, more than the limit of 2000000"):
+        await connector.fetch_video_async(f"data:video/jpeg;base64,{frame},{frame},{frame}")
+    frames, _ = await connector.fetch_video_async(f"data:video/jpeg;base64,{frame},{frame}")  # counted per video
+    assert len(frames) == 2
+
+
 async def _named(self: Any) -> Any:
     return {"image": ["img"]}, {"image": ["client-uuid"]}
 

@@ -22,6 +22,23 @@ def text_chat(model: str, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "Is the exit clear?"}], "max_tokens": 2, **extra}
 
 
+def big_chat(model: str, size: int) -> dict[str, Any]:
+    """A chat whose body is about ``size`` bytes, every byte of it something the door lets through: a noise
+    image (text that large would not fit the tiny model's context; a field beside the input holds 64 KiB)."""
+    import base64
+    import io
+    import os
+
+    from PIL import Image
+
+    side = int((size * 3 / 4 / 3) ** 0.5)  # base64 of raw-sized PNG rows: 4 bytes per 3
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (side, side), os.urandom(side * side * 3)).save(buf, "PNG", compress_level=0)
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    parts = [{"type": "text", "text": "Is the exit clear?"}, {"type": "image_url", "image_url": {"url": uri}}]
+    return {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+
+
 @pytest.mark.parametrize("case", list(POISON_CASES))
 async def test_known_poison_is_refused_before_the_engine(api: Api, case: str) -> None:
     extra, needle = POISON_CASES[case]
@@ -71,16 +88,15 @@ async def test_bodies_are_bounded_by_bytes_413_429_serving(make_api: Any) -> Non
     paused engine leave no room for a third (429 + Retry-After while serving); a small request passes
     once they are done, and the budget is given back after each."""
     api: Api = await make_api("--guard-max-body-memory-mb", "1", "--guard-max-request-mb", "8")
-    resp = await api.client.post(CHAT, json=text_chat(api.model, user="x" * (2 << 20)))
+    resp = await api.client.post(CHAT, json=big_chat(api.model, 2 << 20))
     assert resp.status_code == 413, resp.text
     engine = api.engine
     engine.pause()
     seen = len(engine.requests)
-    inside = [asyncio.create_task(api.client.post(CHAT, json=text_chat(api.model, user="y" * 400_000)))
-              for _ in range(2)]  # fmt: skip
+    inside = [asyncio.create_task(api.client.post(CHAT, json=big_chat(api.model, 400_000))) for _ in range(2)]
     try:
         await asyncio.wait_for(engine.wait_for_requests(seen + 2), 30)
-        resp = await api.client.post(CHAT, json=text_chat(api.model, user="z" * 400_000))
+        resp = await api.client.post(CHAT, json=big_chat(api.model, 400_000))
         assert resp.status_code == 429 and resp.headers["retry-after"], resp.text
         assert "bodies in progress" in resp.json()["error"]["message"]
     finally:
@@ -95,7 +111,7 @@ async def test_held_bodies_count_against_the_budget(make_api: Any) -> None:
     gets 503 at once instead of growing the process."""
     api: Api = await make_api("--guard-max-body-memory-mb", "1")
     api.supervisor.states.set(EngineState.RESTARTING)
-    held = text_chat(api.model, user="y" * 400_000)
+    held = big_chat(api.model, 400_000)
     tasks = [asyncio.create_task(api.client.post(CHAT, json=held)) for _ in range(2)]
     try:
         deadline = asyncio.get_running_loop().time() + 30
@@ -113,13 +129,13 @@ async def test_refused_constraints_leave_nothing_of_their_text_behind(api: Api) 
     """Hostile review: the door's compile cache was keyed by the constraint's text and kept the backend's
     message (which quotes it): 40 refused 7 MB regexes held 280 MB after their requests, outside every
     body bound. Now each distinct constraint keeps a digest and a message of at most 1000 characters: five
-    more refused constraints of 1 MB leave the traced memory where five left it (in-process the latest
+    more refused constraints of 60 kB leave the traced memory where five left it (in-process the latest
     request's body stays referenced from the test's own context, so the first five's figure is not 0)."""
     import gc
     import secrets
     import tracemalloc
 
-    size = 1_000_000
+    size = 60_000  # the fields beside the input hold at most 64 KiB of text (a 7 MB regex is refused as such)
 
     async def refuse(count: int) -> int:
         for _ in range(count):  # an unclosed group: xgrammar refuses the regex, quoting it

@@ -207,6 +207,12 @@ async def test_admin_routes_trust_credentials_not_addresses(make_api: Callable[.
     opted: Api = await make_api("--guard-admin-loopback", "on")  # type: ignore[assignment]
     assert (await opted.client.get("/admin/quarantine")).status_code == 200
     assert (await opted.client.get("/admin/quarantine", headers={"Origin": "http://evil.example"})).status_code == 403
+    # #61: a page whose name was rebound to the loopback sends its own Host (and no Origin on a simple GET)
+    for host in ("rebound.example", "rebound.example:8000", "127.0.0.1.nip.io"):
+        resp = await opted.client.get("/admin/quarantine", headers={"Host": host})
+        assert resp.status_code == 403 and "Host" in resp.json()["error"]["message"], (host, resp.text)
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+        assert (await opted.client.get("/admin/quarantine", headers={"Host": host})).status_code == 200, host
     app = opted.client._transport.app  # type: ignore[attr-defined]
     remote = httpx.ASGITransport(app=app, client=("203.0.113.9", 5000))
     async with httpx.AsyncClient(transport=remote, base_url="http://vlguard.test") as client:

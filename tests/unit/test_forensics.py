@@ -57,22 +57,49 @@ def test_engine_facts_leave_secrets_out() -> None:
     assert facts["args"] == {"max_model_len": 8, "model": "m"} and "sk-secret" not in json.dumps(facts)
 
 
+def test_engine_facts_redact_secrets_inside_values() -> None:
+    """#61: a credential inside an argument's value (a URL's user information, a token in a JSON or query
+    string) was written into every record."""
+    from server.guard.forensics import REDACTED, engine_facts
+
+    secret_args = {
+        "model": "https://user:pw-1@models.example/qwen",
+        "hf_overrides": {"hub_token": "hf_2", "rope": {"factor": 2}},
+        "otlp_traces_endpoint": "https://otel.example/v1?api_key=k3&x=1",
+        "kv_transfer_config": '{"auth_token": "t4", "port": 7}',
+        "middleware": ["--secret=s5", "plain"],
+    }
+    args = engine_facts(secret_args)["args"]
+    text = json.dumps(args)
+    assert not any(s in text for s in ("pw-1", "hf_2", "k3", "t4", "s5")), text
+    assert args["model"] == f"https://{REDACTED}@models.example/qwen" and args["hf_overrides"]["rope"] == {"factor": 2}
+    assert "x=1" in args["otlp_traces_endpoint"] and '"port": 7' in args["kv_transfer_config"]
+
+
 def _written(f: Forensics, fp: str) -> None:
     f.charged("r", fp, evidence(), fault())
     f.close()
 
 
+def fp(i: int) -> str:
+    """A fingerprint as the quarantine makes them (16 hex characters)."""
+    return f"{i:016x}"
+
+
 def test_records_are_pruned_oldest_first_by_count_and_by_bytes(tmp_path: Path) -> None:
+    """Only its own records (#61: pruning deleted any ``*.json`` in the folder)."""
+    (tmp_path / "operator-notes.json").write_text("{}")
     f = Forensics(tmp_path, keep_media=False, max_records=3, max_bytes=10**9, engine=ENGINE)
     for i in range(5):
-        f.charged(f"r{i}", f"fp{i}", evidence(), fault())
+        f.charged(f"r{i}", fp(i), evidence(), fault())
     f.close()
-    assert sorted(p.name for p in tmp_path.glob("*")) == ["fp2.json", "fp3.json", "fp4.json"]  # no temp file left
-    size = (tmp_path / "fp4.json").stat().st_size
+    names = [f"{fp(i)}.json" for i in range(10)]
+    assert sorted(p.name for p in tmp_path.glob("*")) == [*names[2:5], "operator-notes.json"]  # no temp file left
+    size = (tmp_path / names[4]).stat().st_size
     g = Forensics(tmp_path, keep_media=False, max_records=100, max_bytes=int(size * 2.5), engine=ENGINE)
-    g.charged("r9", "fp9", evidence(), fault())
+    g.charged("r9", fp(9), evidence(), fault())
     g.close()
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["fp4.json", "fp9.json"]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [names[4], names[9], "operator-notes.json"]
     alone = Forensics(tmp_path / "small", keep_media=True, max_records=10, max_bytes=2000, engine=ENGINE)
     _written(alone, "big")  # alone over the bound: kept, without the request's content
     record = json.loads((tmp_path / "small" / "big.json").read_text())

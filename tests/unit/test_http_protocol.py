@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.http_protocol import http_protocol, with_header_timeout
+from server.http_protocol import http_protocol, ipv4_form, with_header_timeout
 
 TIMEOUT_S = 1.0
 
@@ -124,6 +124,17 @@ def test_a_head_past_the_bound_is_431_in_the_envelope_and_closed(port: int) -> N
         assert _is_431(_answers(conn, b"GET / HTTP/1.1\r\nHost: x\r\n" + FILLER))  # never ended
 
 
+@pytest.mark.parametrize("endless", [b"X-Endless: " + b"a" * 3_000_000, b"X" * 3_000_000], ids=["value", "name"])
+def test_a_header_that_never_ends_is_bounded(port: int, endless: bytes) -> None:
+    """#61: httptools hands a header to Python only once it ends; one whose value (or name) never ended was
+    not counted (16 connections pushed 826 MiB into the API process). The raw bytes of a head are counted as
+    they arrive, whatever the parser."""
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        assert _is_431(_answers(conn, b"GET / HTTP/1.1\r\nHost: x\r\n" + endless))
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        assert request(conn).startswith(b"HTTP/1.1 200")
+
+
 def test_a_head_pipelined_behind_a_slow_response_is_bounded_too(port: int) -> None:
     """Hostile review: a head sent on a kept-alive connection while the request before it was still being
     answered went uncounted (144 MB taken in, the connection left open after the answer)."""
@@ -131,3 +142,45 @@ def test_a_head_pipelined_behind_a_slow_response_is_bounded_too(port: int) -> No
         answer = _answers(conn, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n" + FILLER)
     first, _, rest = answer.partition(b"\r\n\r\nok")
     assert first.startswith(b"HTTP/1.1 200") and _is_431(rest), answer[:300]
+
+
+async def client_app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+    if scope["type"] != "http":
+        return
+    host = scope["client"][0].encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(host))]})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": host})  # type: ignore[operator]
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6 here")
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_an_ipv4_client_of_a_dual_stack_listener_is_seen_as_ipv4(parser: str) -> None:
+    """#61: on a dual-stack listener an IPv4 client is ``::ffff:127.0.0.1``, which neither the trusted-proxy
+    list nor the loopback rules matched. The protocol writes it in its IPv4 form before anything reads it."""
+    sock = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    http = http_protocol(TIMEOUT_S) if parser == "httptools" else with_header_timeout(H11Protocol, TIMEOUT_S)
+    server = uvicorn.Server(uvicorn.Config(client_app, http=http, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        with socket.create_connection(("127.0.0.1", sock.getsockname()[1])) as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.settimeout(10)
+            answer = b""
+            while not answer.endswith(b"127.0.0.1") and (chunk := conn.recv(4096)):
+                answer += chunk
+        assert answer.endswith(b"\r\n\r\n127.0.0.1"), answer
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+MAPPED = [("::ffff:10.1.2.3", "10.1.2.3"), ("::FFFF:7f00:1", "127.0.0.1"), ("::1", "::1"), ("10.0.0.1", "10.0.0.1"),
+          ("::ffff:zz", "::ffff:zz")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("host", "seen"), MAPPED)
+def test_ipv4_form(host: str, seen: str) -> None:
+    assert ipv4_form(host) == seen

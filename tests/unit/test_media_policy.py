@@ -157,12 +157,15 @@ async def test_an_image_a_rule_applies_to_is_normalised_in_the_decode_pool_and_o
 
 
 def test_a_container_video_is_checked_from_its_header() -> None:
-    p = policy(max_image_pixels=64 * 48, max_video_frames=4)
+    """Frame size, frame count, and (#61) the frames' pixels together: at most twice an image's."""
+    p = policy(max_image_pixels=64 * 48 * 2, max_video_frames=4)
     p.video_container("video", mp4(64, 48, 3), num_frames=32)
     p.video_container("video", mp4(64, 48, 10), num_frames=4)  # vLLM samples 4 of the 10
+    with pytest.raises(MediaError, match="its frames hold 24576 pixels together, more than the limit of 12288"):
+        p.video_container("video", mp4(96, 64, 4), num_frames=4)
     with pytest.raises(MediaError, match="10 frames, more than the limit of 4"):
         p.video_container("video", mp4(64, 48, 10), num_frames=-1)
-    with pytest.raises(MediaError, match="frames of 80x48"):
-        p.video_container("video", mp4(80, 48, 2), num_frames=32)
+    with pytest.raises(MediaError, match="frames of 100x64"):
+        p.video_container("video", mp4(100, 64, 2), num_frames=32)
     with pytest.raises(MediaError, match="not a readable video"):
         p.video_container("video", b"not a video at all", num_frames=32)

@@ -178,8 +178,10 @@ def test_one_walk_finds_objects_prompt_extent_and_non_finite_numbers() -> None:
         ' "image_url": {"url": "data:image/png;base64,AAAA"}}]}, {"role": "system", "content": "hello"}],'
         ' "prompt": [[1, 2, 3], [4, 5]], "temperature": 0.5, "logit_bias": {"7": 1e400}}'
     )
-    # objects: the body, two messages, two parts, the image_url, logit_bias; text under TEXT_KEYS only
-    assert walk(body) == BodyWalk(objects=7, prompt_chars=3 + 5, prompt_ids=3, non_finite=True)
+    # objects: the body, two messages, two parts, the image_url, logit_bias; text: every string under the
+    # input fields (roles and part types too: the template reads them), the image's URL not
+    chars = len("user") + len("text") + len("abc") + len("image_url") + len("system") + len("hello")
+    assert walk(body) == BodyWalk(objects=7, prompt_chars=chars, prompt_ids=3, non_finite=True)
     assert walk(chat(temperature=1e308)).non_finite is False
     with pytest.raises(MediaError, match=r"^logit_bias\.7: must be a finite number"):
         check_known_poison(body, None, walk(body))  # the door hands its walk in

@@ -507,7 +507,25 @@ async def test_requests_sharing_a_client_chosen_id_are_tracked_and_charged_apart
     assert sorted(aborted[0]) == sorted(rid for rid in engine.active)
     engine.resume()
     await asyncio.wait_for(asyncio.gather(*waiting), WAIT_S)
-    assert not g.client._engine_ids  # nothing left behind
+    assert not g.client._engine_ids and not g.client._in_engine  # nothing left behind
+
+
+async def test_a_client_chosen_id_never_collides_with_an_assigned_one(make_guard: Callable[..., Any]) -> None:
+    """#61: vlguard gives a repeated id a ``~N`` suffix; a client may pick exactly such an id. Every id
+    inside the engine is still unique: the picked one, and the repeat, whichever comes first."""
+    g = await make_guard()
+    engine = g.factory.current
+    engine.pause()
+    seen = len(engine.requests)
+    first = [asyncio.create_task(g.collect([5, i], rid="pick")) for i in range(2)]
+    await asyncio.wait_for(engine.wait_for_requests(seen + 2), WAIT_S)
+    assigned = next(rid for rid in engine.active if rid != "pick")
+    again = asyncio.create_task(g.collect([5, 9], rid=assigned))  # a client writes the id vlguard assigned
+    await asyncio.wait_for(engine.wait_for_requests(seen + 3), WAIT_S)
+    assert len(set(engine.active)) == len(engine.active) == 3, engine.active
+    engine.resume()
+    await asyncio.wait_for(asyncio.gather(*first, again), WAIT_S)
+    assert not g.client._engine_ids and not g.client._in_engine
 
 
 async def test_a_suspect_runs_alone_and_holds_newcomers_only_during_its_first_step(
