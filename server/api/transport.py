@@ -12,6 +12,8 @@ before anything reads them or its body.
   body is read, so an anonymous client holds none of the body budget; and, as vLLM's middleware asks, any
   other request under ``/v1`` but a CORS preflight, refused here in the OpenAI envelope (vLLM's says
   ``{"error": "Unauthorized"}``). The operator routes keep their own key (:mod:`server.api.admin`).
+- ``HEAD`` is served wherever ``GET`` is, as ``GET`` without the body (vLLM's and vlguard's routes answered
+  405: some probes and uptime checkers send ``HEAD``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.admission import route_path
 from server.api.errors import error_response
@@ -65,6 +67,19 @@ def _needs_key(method: str, path: str) -> bool:
     return method in BODY_METHODS or (method != "OPTIONS" and path.startswith("/v1"))
 
 
+def _without_body(send: Send) -> Send:
+    """``send`` for a HEAD request served as GET: the start (its headers, ``content-length`` included) as
+    GET's, then one empty body."""
+
+    async def head_send(message: Message) -> None:
+        if message["type"] != "http.response.body":
+            await send(message)
+        elif not message.get("more_body", False):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return head_send
+
+
 class TransportMiddleware:
     """Refuse, in the OpenAI error envelope and without reading the body (pure ASGI): an HTTP request that
     repeats a header of :data:`SINGLE_HEADERS` (400); with ``keys``, one without a valid key that needs it
@@ -80,6 +95,8 @@ class TransportMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if scope["method"] == "HEAD":  # answered wherever GET is, without the body (probes, uptime checks)
+                scope, send = {**scope, "method": "GET"}, _without_body(send)
             headers = scope.get("headers") or []
             if (name := repeated_header(headers)) is not None:
                 await error_response(400, f"the {name} header may appear only once", param=name)(scope, receive, send)

@@ -33,6 +33,16 @@ async def test_health_ready_version_metrics(api: Api) -> None:
     assert "vlguard_engine_up" in metrics.text and "vlguard_requests_held" in metrics.text
 
 
+async def test_head_is_answered_wherever_get_is(api: Api) -> None:
+    """#63: some probes and uptime checkers send HEAD; vLLM's and vlguard's routes answered 405. HEAD is
+    GET's answer without its body; a route without GET still says 405."""
+    for path in ("/health", "/ping", "/ready", "/metrics", "/version", "/v1/models"):
+        get, head = await api.client.get(path), await api.client.head(path)
+        assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert (await api.client.head("/v1/chat/completions")).status_code == 405
+
+
 async def test_restarting_engine_holds_requests_then_serves_them(api: Api) -> None:
     api.factory.gate.clear()  # the next engine "loads" until the test releases it
     api.supervisor.report_death(api.supervisor.generation, DeathCause.PROCESS_EXIT)
