@@ -47,7 +47,8 @@ class _HeadGuard(_ProtocolBase):
     httptools hands each request's URL and headers to Python callbacks: they are counted there, exactly,
     whenever the head arrives (a head pipelined behind a slow response too); a header hands over only once
     it ends, so the raw bytes of every read that left the head unfinished are counted too (a value or a
-    name that never ends). h11 parses a head only between responses (it stops reading meanwhile): bytes are
+    name that never ends), and after the head those of the reads that carried no body (a chunked trailer that
+    never ends). h11 parses a head only between responses (it stops reading meanwhile): bytes are
     counted while the head is awaited."""
 
     header_timeout_s: float
@@ -58,6 +59,9 @@ class _HeadGuard(_ProtocolBase):
     _head_bytes = 0  # bytes of the request's head received so far
     _in_head = False  # httptools: a request's head began and has not ended
     _raw_head = 0  # httptools: bytes of the reads that left the head unfinished
+    _in_message = False  # httptools: a request began and has not ended
+    _moved = False  # httptools: this read carried body bytes or ended the request
+    _raw_tail = 0  # httptools: bytes of the reads after the head that carried no body (chunked trailers)
     _over = False  # the head ran past the bound (httptools: the parser stopped on it)
     _refused = False  # a head past the bound was answered 431: what follows is dropped
 
@@ -73,12 +77,17 @@ class _HeadGuard(_ProtocolBase):
             return  # the rest of a refused head, read and dropped until the connection closes
         if self._header_clock is None and self._between_requests():
             self._start_header_clock()
+        self._moved = False
         super().data_received(data)
         if self.by_callbacks:
             if self._in_head and not self._refused:  # the parse left the head unfinished: this read was head
                 self._raw_head += len(data)
                 if self._raw_head > self.max_head_bytes:
                     self._refuse_head()
+            elif self._in_message and not self._moved:  # after the head, no body: a chunked trailer's bytes
+                self._raw_tail += len(data)
+                if self._raw_tail > self.max_head_bytes:
+                    self._refuse_tail()
             return
         if self._header_clock is None or getattr(self, "cycle", None) is not self._waiting_for:
             return
@@ -88,13 +97,21 @@ class _HeadGuard(_ProtocolBase):
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
-        self._head_bytes = self._raw_head = 0
-        self._in_head = True
+        self._head_bytes = self._raw_head = self._raw_tail = 0
+        self._in_head = self._in_message = True
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._moved = True
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._moved, self._in_message = True, False
+        super().on_message_complete()
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
@@ -142,6 +159,14 @@ class _HeadGuard(_ProtocolBase):
         self._refused = True
         if self._between_requests():
             self._answer_431()
+
+    def _refuse_tail(self) -> None:
+        """A request whose trailer (after a chunked body) runs past the head bound: what follows is dropped
+        and the connection closed (its route is reading a body that will not end: it sees a disconnect)."""
+        self._refused = True
+        transport = getattr(self, "transport", None)
+        if transport is not None and not transport.is_closing():
+            transport.close()
 
     def _answer_431(self) -> None:
         transport = getattr(self, "transport", None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from http import HTTPStatus
 from typing import NamedTuple
 
@@ -110,6 +111,10 @@ class Caller:
         return {"type": "http.disconnect"}
 
 
+#: An ``X-Request-Timeout`` value: decimal seconds (``15``, ``2.5``).
+_SECONDS = re.compile(rb"[0-9]{1,9}(?:\.[0-9]{1,9})?")
+
+
 def timeout_of(scope: Scope) -> float | None:
     """The request's ``X-Request-Timeout`` in seconds, None when it sent none.
 
@@ -118,10 +123,7 @@ def timeout_of(scope: Scope) -> float | None:
     """
     for name, value in scope.get("headers") or []:
         if name == b"x-request-timeout":
-            try:
-                seconds = float(value[:32].decode("latin-1"))
-            except ValueError:
-                seconds = -1.0
+            seconds = float(value) if _SECONDS.fullmatch(value) else -1.0  # digits, a fraction: nothing else
             if not 0 < seconds <= 86400:
                 raise ValueError("X-Request-Timeout must be a number of seconds, above 0 and at most 86400")
             return seconds

@@ -68,9 +68,12 @@ class PoisonRules:
 #: Keys whose string values (and lists of strings) are prompt text, in every request shape of vLLM's routes.
 TEXT_KEYS = frozenset({"prompt", "text", "content", "input", "system", "instructions"})
 #: Top-level fields that are the request's input: every string under them (roles, names, tool definitions,
-#: template arguments) may reach the chat template or the tokenizer, so all count as prompt text but media.
-INPUT_KEYS = TEXT_KEYS | {"messages", "tools", "functions", "tool_choice", "chat_template_kwargs", "documents"}
-#: Keys under which a string is media or embeddings (a URL, a data URI, base64 data or tensors), not text:
+#: template arguments, and the keys of their objects) may reach the chat template or the tokenizer, so all
+#: count as prompt text but media. (A top-level ``text`` is the Responses output format, not input.)
+INPUT_KEYS = frozenset({"prompt", "input", "system", "instructions", "messages", "tools", "functions", "tool_choice",
+                        "chat_template_kwargs", "documents"})  # fmt: skip
+#: Keys under which a string (not an object: a tool may name a property ``url``) is media or embeddings (a
+#: URL, a data URI, base64 data or tensors), not text:
 #: bounded by the media checks, the body's size and vLLM's own flags (``--enable-prompt-embeds``).
 MEDIA_KEYS = frozenset({"url", "data", "file_data", "image_url", "video_url", "audio_url", "image",
                         "image_embeds", "audio_embeds", "prompt_embeds"})  # fmt: skip
@@ -87,8 +90,8 @@ class BodyWalk:
 
     Attributes:
         objects: JSON objects (dicts) at any depth.
-        prompt_chars: characters of the strings under :data:`INPUT_KEYS` (at the top) and :data:`TEXT_KEYS`
-            (anywhere), but media (under :data:`MEDIA_KEYS`, or a ``data:`` URI).
+        prompt_chars: characters of the strings, and of the objects' keys, under :data:`INPUT_KEYS` (at the
+            top) and :data:`TEXT_KEYS` (anywhere), but media (strings under :data:`MEDIA_KEYS`).
         prompt_ids: the length of the longest list of token ids there (a completions ``prompt``, or one of
             a batch).
         non_finite: a float that is not finite is somewhere (a literal such as ``1e999`` parses as one).
@@ -113,13 +116,16 @@ def walk(body: Any, max_objects: int | None = None) -> BodyWalk:
         value, is_text = stack.pop()
         kind = type(value)  # a parsed body holds exactly these types
         if kind is str:
-            chars += len(value) if is_text and not value.startswith("data:") else 0
+            chars += len(value) if is_text else 0
         elif kind is dict:
             objects += 1
             if max_objects is not None and objects > max_objects:
                 break
             keys = INPUT_KEYS if top else TEXT_KEYS
-            stack += [(item, (is_text or key in keys) and key not in MEDIA_KEYS) for key, item in value.items()]
+            if is_text:
+                chars += sum(map(len, value))
+            stack += [(item, (is_text or key in keys) and not (key in MEDIA_KEYS and type(item) is str))
+                      for key, item in value.items()]  # fmt: skip
             top = False
         elif kind is list:
             if is_text and value and all(type(item) is int for item in value):

@@ -234,12 +234,19 @@ async def test_every_text_the_template_reads_counts_toward_the_prompt_bound(api:
     text = "a" * (api.app.state.poison_rules.max_prompt_chars + 1)
     chat = {"model": api.model, "max_tokens": 1}
     tool = {"type": "function", "function": {"name": "f", "description": text, "parameters": {"type": "object"}}}
+    url_property = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"url": {"x": text}}}}}
     cases = {
         "role": ("/tokenize", {"model": api.model, "messages": [{"role": text, "content": "hi"}]}),
         "name": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "name": text, "content": "hi"}]}),
         "tool": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}),
         "template argument": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}],
                                                        "chat_template_kwargs": {"x": text}}),
+        # hostile review: text that starts like a data URI, a tool property named like media, a key
+        "data: text": ("/tokenize", {"model": api.model, "prompt": "data:" + text}),
+        "property url": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}],
+                                                  "tools": [url_property]}),
+        "key": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}],
+                                         "chat_template_kwargs": {text: 1}}),
     }  # fmt: skip
     for case, (path, body) in cases.items():
         started = time.monotonic()
@@ -279,6 +286,16 @@ async def test_fields_beside_the_input_are_bounded_before_vllm_reads_them(api: A
     assert time.monotonic() - started < 2.0 and (await health).status_code == 200
     within = {**chat_body(api.model), "stop": ["x"] * 100, "logit_bias": {"1": 1}}
     assert (await api.client.post("/v1/chat/completions", json=within)).status_code == 200
+
+
+async def test_a_responses_output_format_is_bounded_as_a_field(api: Api) -> None:
+    """Hostile review: a top-level ``text`` (the Responses output format) was taken for input and escaped the
+    field bounds: a JSON schema with a 100,000-item enum kept the engine core busy 31 s."""
+    schema = {"type": "object", "properties": {"a": {"enum": [0.5, *range(2000)]}}, "required": ["a"]}
+    body = {"model": api.model, "input": "hi", "max_output_tokens": 4,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}  # fmt: skip
+    resp = await api.client.post("/v1/responses", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["message"].startswith("text: "), resp.text[:300]
 
 
 async def test_a_prompt_of_more_token_ids_than_the_context_is_refused_before_it_is_validated(api: Api) -> None:

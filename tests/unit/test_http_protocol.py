@@ -60,7 +60,7 @@ def closed_within(conn: socket.socket, seconds: float) -> float | None:
     return time.monotonic() - started
 
 
-def request(conn: socket.socket) -> bytes:
+def exchange(conn: socket.socket) -> bytes:
     """One whole request and its whole answer on ``conn`` (the app answers ``ok``)."""
     conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     conn.settimeout(10)
@@ -85,9 +85,9 @@ def test_a_silent_new_connection_is_closed_after_the_timeout(port: int) -> None:
 def test_complete_requests_and_idle_keep_alive_are_untouched(port: int) -> None:
     with socket.create_connection(("127.0.0.1", port)) as conn:
         for _ in range(2):
-            assert request(conn).startswith(b"HTTP/1.1 200")
+            assert exchange(conn).startswith(b"HTTP/1.1 200")
         assert closed_within(conn, TIMEOUT_S * 3) is None  # idle after a response: keep-alive's, 30 s
-        assert request(conn).startswith(b"HTTP/1.1 200")
+        assert exchange(conn).startswith(b"HTTP/1.1 200")
         conn.sendall(b"GET / HTTP/1.1\r\n")  # the next request's headers stall
         assert closed_within(conn, TIMEOUT_S * 5) is not None
 
@@ -119,7 +119,7 @@ def test_a_head_past_the_bound_is_431_in_the_envelope_and_closed(port: int) -> N
     in the OpenAI envelope, then the connection is closed; a head within it is served."""
     with socket.create_connection(("127.0.0.1", port)) as conn:
         conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Fill: " + b"a" * 60_000 + b"\r\n\r\n")  # under 64 KiB
-        assert request(conn).startswith(b"HTTP/1.1 200")  # the same connection serves on
+        assert exchange(conn).startswith(b"HTTP/1.1 200")  # the same connection serves on
     with socket.create_connection(("127.0.0.1", port)) as conn:
         assert _is_431(_answers(conn, b"GET / HTTP/1.1\r\nHost: x\r\n" + FILLER))  # never ended
 
@@ -132,7 +132,27 @@ def test_a_header_that_never_ends_is_bounded(port: int, endless: bytes) -> None:
     with socket.create_connection(("127.0.0.1", port)) as conn:
         assert _is_431(_answers(conn, b"GET / HTTP/1.1\r\nHost: x\r\n" + endless))
     with socket.create_connection(("127.0.0.1", port)) as conn:
-        assert request(conn).startswith(b"HTTP/1.1 200")
+        assert exchange(conn).startswith(b"HTTP/1.1 200")
+
+
+def test_a_chunked_trailer_that_never_ends_is_bounded(port: int, request: pytest.FixtureRequest) -> None:
+    """Hostile review: after a chunked body's last chunk, a trailer whose value never ended was read whole
+    (100 MB in 12.7 s, /health held 7.7 s): nothing bounded it after the head. The bytes of reads after the
+    head that carry no body count against the head bound: past it the connection is closed. (httptools,
+    the parser vlguard installs; uvicorn's h11 protocol reads a trailer on too: not bounded here.)"""
+    if request.node.callspec.params["port"] == "h11":
+        pytest.skip("h11: a trailer is read on (vlguard serves with httptools)")
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: "
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(head)
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            while sent < 8_000_000:  # closed long before: the server reads at most the bound and a read more
+                conn.sendall(b"a" * 65536)
+                sent += 65536
+        assert sent < 8_000_000, "the trailer was read on and on"
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        assert exchange(conn).startswith(b"HTTP/1.1 200")
 
 
 def test_a_head_pipelined_behind_a_slow_response_is_bounded_too(port: int) -> None:

@@ -178,9 +178,11 @@ def test_one_walk_finds_objects_prompt_extent_and_non_finite_numbers() -> None:
         ' "image_url": {"url": "data:image/png;base64,AAAA"}}]}, {"role": "system", "content": "hello"}],'
         ' "prompt": [[1, 2, 3], [4, 5]], "temperature": 0.5, "logit_bias": {"7": 1e400}}'
     )
-    # objects: the body, two messages, two parts, the image_url, logit_bias; text: every string under the
-    # input fields (roles and part types too: the template reads them), the image's URL not
-    chars = len("user") + len("text") + len("abc") + len("image_url") + len("system") + len("hello")
+    # objects: the body, two messages, two parts, the image_url, logit_bias; text: every string and key under
+    # the input fields (roles, part types, keys: the template reads them), the image's URL not
+    strings = len("user") + len("text") + len("abc") + len("image_url") + len("system") + len("hello")
+    keys = 2 * len("rolecontent") + len("typetext") + len("typeimage_url") + len("url")
+    chars = strings + keys
     assert walk(body) == BodyWalk(objects=7, prompt_chars=chars, prompt_ids=3, non_finite=True)
     assert walk(chat(temperature=1e308)).non_finite is False
     with pytest.raises(MediaError, match=r"^logit_bias\.7: must be a finite number"):
