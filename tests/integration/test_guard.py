@@ -21,7 +21,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from server.workload.images import photo_uri
+from server.workload.images import data_uri, photo_uri
 from server.workload.twopass import primary_messages
 from tests.conftest import slow_steps_flag, token_ids
 from tests.helpers import (
@@ -418,6 +418,21 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
     assert metric(guarded, "vlguard_requests_quarantined_total") == refused
 
 
+def padded_png(size: int) -> bytes:
+    """A 32x32 PNG of about ``size`` bytes: the padding is a private ancillary chunk, which decoders skip."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (90, 120, 30)).save(buf, "PNG")
+    png, data = buf.getvalue(), b"\0" * size
+    chunk = struct.pack(">I", len(data)) + b"vgPd" + data + struct.pack(">I", zlib.crc32(b"vgPd" + data))
+    return png[:33] + chunk + png[33:]  # after the signature and IHDR
+
+
 def test_a_burst_of_large_bodies_during_a_rebuild_is_bounded_by_bytes(guarded: ServerProcess, model_name: str) -> None:
     """#33 (CASES C19): 40 requests of 8 MiB each arrive while the engine is being rebuilt. Before, every
     body was held (bounded by count only: 512 of up to 64 MiB): 60 of 20 MiB grew the API process by 4.4
@@ -427,8 +442,12 @@ def test_a_burst_of_large_bodies_during_a_rebuild_is_bounded_by_bytes(guarded: S
     assert guarded.proc is not None
     poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
     api = psutil.Process(guarded.proc.pid)
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Is the exit clear?"}],
-                       "max_tokens": 2, "user": "u" * (8 << 20)}).encode()  # fmt: skip
+    # 8 MiB of image (a small picture with a private chunk: decoding skips it); a field vLLM ignores (the
+    # ``user`` string this test used) holds at most 64 KiB of text now (#61)
+    image = data_uri(padded_png(8 << 20), "image/png")
+    content = [{"type": "text", "text": "Is the exit clear?"}, {"type": "image_url", "image_url": {"url": image}}]
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 2}).encode()  # fmt: skip
     before = api.memory_info().rss
     peak = [before]
     done = threading.Event()
