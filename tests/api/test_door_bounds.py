@@ -284,7 +284,7 @@ async def test_fields_beside_the_input_are_bounded_before_vllm_reads_them(api: A
     resp = await api.client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400 and resp.json()["error"]["message"].startswith(field), resp.text[:300]
     assert time.monotonic() - started < 2.0 and (await health).status_code == 200
-    within = {**chat_body(api.model), "stop": ["x"] * 100, "logit_bias": {"1": 1}}
+    within = {**chat_body(api.model), "stop": ["x", "y"], "logit_bias": {"1": 1}}  # vLLM 0.34: at most 4 stops
     assert (await api.client.post("/v1/chat/completions", json=within)).status_code == 200
 
 
