@@ -19,19 +19,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from server.workload.compare import CompareOptions, System, system_server, wait_serving
 from server.workload.flood import GAVE_UP
-from server.workload.servers import ServerProcess, metric_samples
+from server.workload.servers import ServerProcess, metric_samples, rss_peak
 
 SYSTEMS = (System("stock", stock=True), System("vlguard"))
 REFUSED = (429, 503)
@@ -101,39 +96,13 @@ def drained(srv: ServerProcess, timeout_s: float = 300.0) -> None:
     raise TimeoutError("the engine did not drain")
 
 
-@contextmanager
-def tree_rss_peak(srv: ServerProcess, every_s: float = 0.2) -> Iterator[list[int]]:
-    """The peak of the summed resident memory of ``srv`` and its children while the block runs (bytes,
-    in a one-item list, final once the block has left)."""
-    assert srv.proc is not None
-    peak, stop = [0], threading.Event()
-    root = psutil.Process(srv.proc.pid)
-
-    def watch() -> None:
-        while not stop.wait(every_s):
-            total = 0
-            for proc in [root, *srv.children()]:
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    continue
-            peak[0] = max(peak[0], total)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        watcher.join()
-
-
 def point(srv: ServerProcess, rate: float, multiplier: float, capacity: float, *, first: int, opts: CompareOptions,
           load: Load, stem: Path) -> tuple[Point, dict[str, Any]]:  # fmt: skip
     """One open-loop flood at ``rate`` and its figures (and the flood's raw output)."""
     drained(srv)
     before = metric_samples(srv.url, "vllm:generation_tokens")
-    with tree_rss_peak(srv) as peak:
+    assert srv.proc is not None
+    with rss_peak(srv.proc.pid, 0.2, tree=True) as peak:
         raw = flood(srv, stem.with_name(f"{stem.name}-{multiplier:g}x.json"), first=first, opts=opts, load=load,
                     rate=rate)  # fmt: skip
     drained(srv)

@@ -9,6 +9,7 @@ being measured.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -61,16 +62,24 @@ def metric_samples(url: str, *prefixes: str, by_label: str | None = None) -> dic
 
 
 @contextmanager
-def rss_peak(pid: int, every_s: float = 0.1) -> Iterator[list[int]]:
-    """Sample the resident memory of process ``pid`` every ``every_s`` seconds while the block runs;
-    yields a one-item list holding the peak seen so far (bytes), final once the block has left."""
+def rss_peak(pid: int, every_s: float = 0.1, tree: bool = False) -> Iterator[list[int]]:
+    """Sample the resident memory of process ``pid`` (with ``tree``: summed with its descendants') every
+    ``every_s`` seconds while the block runs; yields a one-item list holding the peak seen so far (bytes),
+    final once the block has left."""
     peak, stop = [0], threading.Event()
     proc = psutil.Process(pid)
+
+    def rss() -> int:
+        total = proc.memory_info().rss
+        for child in proc.children(recursive=True) if tree else ():
+            with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+                total += child.memory_info().rss
+        return total
 
     def watch() -> None:
         while True:
             try:
-                peak[0] = max(peak[0], proc.memory_info().rss)
+                peak[0] = max(peak[0], rss())
             except psutil.Error:
                 return
             if stop.wait(every_s):
