@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> None:
         # stdout carries the JSON alone; vLLM logs to stdout unless told otherwise.
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     elif argv[:1] == ["serve"]:
+        from server import run_dirs
         from server.metrics.registry import prepare_multiprocess_dir
 
+        run_dirs.sweep()  # what vlguard processes killed before their end left in the temp folder
         prepare_multiprocess_dir()
 
     if argv[:1] == ["tiny-model"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
@@ -11,13 +12,13 @@ import shutil
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from server import launcher
+from server import launcher, run_dirs
 from server.alignment import SCHEDULER_CLS
 from server.engine.protocol import ServeSettings
 from server.settings import GuardSettings
@@ -234,6 +235,17 @@ class _Server(uvicorn.Server):
             if refresher is not None:
                 refresher.stop()
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, which ends the process by the signal it caught on its way out (its default action runs
+        no exit handler): this server's temp folders are removed first (:mod:`server.run_dirs`)."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                if self.signals:
+                    run_dirs.remove_all()
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.signals.append(sig)
         self.on_signal()  # /ready turns 503; only schedules work on the event loop: safe in a signal handler
@@ -364,6 +376,8 @@ def _serve(server: _Server, sock: socket.socket, supervisor: Supervisor) -> int:
             raise
         # A stop requested during start-up ends the start-up with uvicorn's "startup failed" exit;
         # end as a stop instead, like uvicorn does after a normal shutdown (SIGTERM: status 143).
+    if server.signals:
+        run_dirs.remove_all()  # the signal's default action runs no exit handler
     for sig in reversed(server.signals):
         signal.raise_signal(sig)
     if not server.started:

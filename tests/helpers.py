@@ -269,6 +269,13 @@ def assert_session_ends(sid: int, within_s: float = 30, kernel_s: float = 120) -
         raise AssertionError(f"killed but still there {kernel_s:g} s later: {_describe(sid)}") from None
 
 
+def assert_nothing_left(temp: Path, log: Path) -> None:
+    """Nothing of vlguard's is left in ``temp`` (the server's TMPDIR: its metrics and state folders) and no
+    process of it reported a leaked shared-memory object at its exit (Python's resource tracker's warning)."""
+    assert sorted(p.name for p in temp.glob("vlguard-*")) == []
+    assert "leaked shared_memory" not in log.read_text(errors="replace")
+
+
 def encoded(img: Image.Image, fmt: str = "PNG", **params: Any) -> bytes:
     """``img`` encoded as ``fmt`` (Pillow save parameters in ``params``)."""
     buf = io.BytesIO()

@@ -26,12 +26,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import traceback
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from server import run_dirs
 from server.engine.parent_watch import ENV as PARENT_WATCH_ENV
 from server.engine.parent_watch import PARENT_ENV as PARENT_PID_ENV
 
@@ -166,8 +166,9 @@ class ServeSettings:
 
 # -- the state directory --------------------------------------------------------------------------------
 def new_state_dir() -> str:
-    """A new state directory for one ``vlguard serve`` (removed by the supervisor at shutdown)."""
-    return tempfile.mkdtemp(prefix="vlguard-state-")
+    """A new state directory for one ``vlguard serve`` (removed by the supervisor at shutdown, and however the
+    process ends: :func:`server.run_dirs.make`)."""
+    return str(run_dirs.make("state"))
 
 
 def engine_dir(state_dir: str | Path, generation: int) -> Path:

@@ -66,6 +66,8 @@ CPU_WORKER_WARM_CALLS = (
     "triton.runtime.cache:triton_key",
 )
 READY = b"ready"  # a spare's message once it has imported and warmed up
+#: The niceness of a spare's imports and warm-up (:func:`_prepare`): the lowest CPU priority there is.
+PREPARE_NICENESS = 19
 WORKER_WAIT_READY_S = 300.0  # a worker's hand-over waits this long for its spare (its pipes need a ready one)
 CORE_PROCESS = "EngineCore"  # vLLM's name of the engine-core process (EngineCore_DP<n> with data parallel)
 WORKER_PROCESS = "VllmWorker"  # vLLM's name of a worker process (VllmWorker-<rank>)
@@ -236,17 +238,9 @@ def _spare_main(
 
         setproctitle.setproctitle("vlguard::spare")  # vLLM retitles it at hand-over (VLLM::EngineCore)
     worker = _spawn_worker_spare(worker_spare_for) if worker_spare_for is not None else None
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception:
-            logger.exception("spare: importing %s failed", module)
-    for call in warm_calls:
-        module_name, _, function = call.partition(":")
-        try:
-            getattr(importlib.import_module(module_name), function)()
-        except Exception:
-            logger.warning("spare: warm-up call %s failed", call, exc_info=True)
+    preparing = threading.Thread(target=_prepare, args=(modules, warm_calls), name="vlguard-spare-imports")
+    preparing.start()
+    preparing.join()
     # READY once the worker spare is. A hand-over arriving first does not wait for it (the worker's own
     # hand-over waits for it). A worker spare that dies while waiting ends this spare too: the keeper
     # replaces the pair, and the gauge never counts a spare without its worker.
@@ -283,6 +277,26 @@ def _spare_main(
             logger.warning("spare: this vLLM starts its workers elsewhere; the worker is spawned", exc_info=True)
             worker.end()
     target(**kwargs)
+
+
+def _prepare(modules: tuple[str, ...], warm_calls: tuple[str, ...]) -> None:  # pragma: no cover - in the spare
+    """Import ``modules`` and make the ``warm_calls`` at the niceness :data:`PREPARE_NICENESS`, in a thread of
+    the spare's own: the serving engine's processes come first. On Linux a thread's niceness is its own
+    (and that of the threads it starts), so the spare's main thread, which serves after the hand-over, keeps
+    the server's priority: taking a niceness back needs CAP_SYS_NICE, which a service rarely has."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICENESS)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:
+            logger.exception("spare: importing %s failed", module)
+    for call in warm_calls:
+        module_name, _, function = call.partition(":")
+        try:
+            getattr(importlib.import_module(module_name), function)()
+        except Exception:
+            logger.warning("spare: warm-up call %s failed", call, exc_info=True)
 
 
 def _spawn_worker_spare(vllm_config: Any) -> Spare | None:  # pragma: no cover - runs in the spare process

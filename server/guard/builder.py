@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from server import shm
 from server.engine.protocol import EngineSettings, engine_dir
 from server.guard import ipc_cache, output_faults, watchdog
 from server.guard.hold import HoldPolicy, RebuildPath
@@ -23,6 +25,7 @@ from server.guard.ipc_cache import EngineCacheShadow
 from server.guard.lifecycle import Engine, EngineFactory, Placement, ServingRenderer, in_daemon_thread, teardown
 from server.guard.load import EngineLoad
 from server.guard.spare import Spares, publish
+from server.metrics import definitions as m
 from server.settings import GuardSettings
 from server.vllm_hooks import async_llm
 
@@ -33,6 +36,12 @@ logger = logging.getLogger("server.guard.supervisor")
 
 #: The readiness probe's prompt (token ids; any valid id does: one token is generated from it).
 PROBE_PROMPT_IDS = (0,)
+PROBE_ID_PREFIX = "vlguard-probe-"
+
+
+def is_probe(request_id: str) -> bool:
+    """Whether ``request_id`` (vLLM's, which may carry a suffix) is one of :func:`probe`'s."""
+    return request_id.startswith(PROBE_ID_PREFIX)
 
 
 async def probe(engine: Engine) -> None:
@@ -42,6 +51,9 @@ async def probe(engine: Engine) -> None:
     tokenizer vLLM's request tokenizer uses in its own thread, and the Rust tokenizer refuses concurrent
     use ("RuntimeError: Already borrowed": a request got a 500 under load when a probe ran beside it).
 
+    Counted as ``vlguard_engine_probes``, never in vLLM's client series (:meth:`EngineBuilder.build` keeps
+    them out).
+
     Raises:
         Exception: whatever the engine raised.
     """
@@ -49,8 +61,13 @@ async def probe(engine: Engine) -> None:
 
     params = SamplingParams(max_tokens=1, temperature=0)
     prompt = {"prompt_token_ids": list(PROBE_PROMPT_IDS)}
-    async for _ in engine.generate(prompt, params, f"vlguard-probe-{time.monotonic_ns()}"):
-        pass
+    try:
+        async for _ in engine.generate(prompt, params, f"{PROBE_ID_PREFIX}{time.monotonic_ns()}"):
+            pass
+    except BaseException:
+        m.ENGINE_PROBES.labels(result="failed").inc()
+        raise
+    m.ENGINE_PROBES.labels(result="ok").inc()
 
 
 @dataclass
@@ -99,6 +116,7 @@ class EngineBuilder:
         self.limits = limits or HoldPolicy.from_settings(settings)
         self.renderer = ServingRenderer()
         self._building: asyncio.Future[Engine] | None = None  # an engine build running in a thread
+        self._segments: set[str] = set()  # shared memory of engines built (server.shm), released once gone
         #: True when shutdown had to leave a build behind in its daemon thread (it does not hold the exit).
         self.abandoned_build = False
         #: The path the latest build took (None: the first start).
@@ -134,6 +152,8 @@ class EngineBuilder:
         engine = await self._build(rebuild=generation > 1)
         if (placement := Placement.of(engine)) is not None:  # another process launched it
             self._placed = {generation: Path(placement.directory)}
+        if (processor := async_llm.output_processor_of(engine)) is not None:
+            async_llm.keep_out_of_client_stats(processor, is_probe)  # before its first probe
         try:
             await engine.reset_mm_cache()  # drop the profiling run's dummy images
             self.renderer.adopt(engine)
@@ -150,6 +170,7 @@ class EngineBuilder:
         pids = async_llm.engine_core_pids(engine)
         # workers too: orphaned once their engine core dies
         built = BuiltEngine(engine, generation, pids, watchdog.process_tree(pids), ipc_cache.shadow_for(engine))
+        await self._note_segments(built, directory)
         if generation > 1:  # a restart: freeze the new engine's objects, as the app does at start-up
             from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -199,7 +220,9 @@ class EngineBuilder:
     async def teardown(self, built: BuiltEngine | None) -> None:
         """End a dead engine (:func:`server.guard.lifecycle.teardown`). Never raises."""
         if built is not None:
+            await self._note_segments(built, self.engine_dir(built.generation))  # made since its build
             await teardown(built.engine, built.pids, built.tree, self.renderer)
+            await asyncio.to_thread(self._release_segments)
 
     async def close_spare(self) -> None:
         """End the spare engine process (at shutdown, before the engine)."""
@@ -219,7 +242,28 @@ class EngineBuilder:
                 logger.exception("engine shutdown did not complete cleanly")
         await self._end_build(bound)
         if self.reap_children:
-            await asyncio.to_thread(watchdog.end_descendants, bound)
+            await self._end_descendants(bound)
+
+    async def _end_descendants(self, grace_s: float, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """:func:`server.guard.watchdog.end_descendants`, and the shared memory those processes mapped released."""
+        ending = watchdog.descendant_pids() - set(keep)
+        self._segments |= await asyncio.to_thread(shm.mapped, ending)
+        await asyncio.to_thread(watchdog.end_descendants, grace_s, keep)
+        await asyncio.to_thread(self._release_segments)
+
+    async def _note_segments(self, built: BuiltEngine, directory: Path) -> None:
+        """Note (and record in ``directory``) the shared memory ``built``'s processes map now."""
+        found = await asyncio.to_thread(shm.mapped, [*built.pids, *(p.pid for p in built.tree)])
+        found -= self._segments
+        self._segments |= found
+        shm.record(directory, found)
+
+    def _release_segments(self) -> None:
+        """Unlink the noted shared memory no process of this server maps any more (its engines are gone)."""
+        gone = self._segments - shm.mapped([os.getpid(), *watchdog.descendant_pids()])
+        if released := shm.release(gone):
+            logger.info("released %d shared-memory segment(s) of engines that are gone", len(released))
+        self._segments -= gone
 
     async def _end_build(self, bound_s: float, keep: set[int] | frozenset[int] = frozenset()) -> None:
         """End an engine build still running in its thread: kill what it spawned (with ``reap_children``;
@@ -232,7 +276,7 @@ class EngineBuilder:
         deadline = loop.time() + bound_s
         while not building.done() and loop.time() < deadline:
             if self.reap_children:
-                await asyncio.to_thread(watchdog.end_descendants, 0.0, keep)  # its handshake with the engine then fails
+                await self._end_descendants(0.0, keep)  # its handshake with the engine then fails
             await asyncio.wait({building}, timeout=0.5)
         if not building.done():
             logger.error("an engine build did not end within %.0f s of being abandoned; leaving it", bound_s)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from server.guard import watchdog
-from server.metrics.registry import mark_process_dead
+from server.metrics.registry import archive_dead_processes
 from server.vllm_hooks import async_llm
 from server.vllm_hooks.async_llm import ServingRenderer
 
@@ -131,5 +131,5 @@ async def teardown(
     if engine is not None:
         renderer.release(engine)
         await async_llm.stop_engine_clients(engine)
-    for pid in killed:
-        mark_process_dead(pid)
+    if killed:
+        await asyncio.to_thread(archive_dead_processes)

@@ -78,6 +78,12 @@ ENGINE_DEATHS = Counter(
     "Engine faults, by cause (deepstack, process_exit, hang, exception), whether recovered softly or by a rebuild.",
     ["cause"],
 )
+ENGINE_PROBES = Counter(
+    "vlguard_engine_probes",
+    "vlguard's own one-token requests to the engine (readiness and liveness probes), by result (ok, failed); "
+    "kept out of vLLM's client series (vllm:request_success_total, token counters, latency histograms).",
+    ["result"],
+)
 ENGINE_RESTARTS = Counter(
     "vlguard_engine_restarts", "In-process engine restart attempts, by outcome (success, failure).", ["outcome"]
 )
@@ -228,6 +234,8 @@ for _cause in ("deepstack", "process_exit", "hang", "exception"):
     ENGINE_DEATHS.labels(cause=_cause)
 for _outcome in ("success", "failure"):
     ENGINE_RESTARTS.labels(outcome=_outcome)
+for _result in ("ok", "failed"):
+    ENGINE_PROBES.labels(result=_result)
 for _kind in ("soft", "rebuild"):
     ENGINE_RECOVERIES.labels(kind=_kind)
     RECOVERY_DURATION.labels(kind=_kind)

@@ -8,13 +8,12 @@ import), and wiped at start so a previous run's series do not leak in.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from server import run_dirs
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 logger = logging.getLogger(__name__)
@@ -24,7 +23,8 @@ def prepare_multiprocess_dir() -> Path:
     """Set (or reuse) ``PROMETHEUS_MULTIPROC_DIR`` and wipe it.
 
     A directory given in the environment is created if missing and emptied of ``*.db`` files;
-    otherwise a private temporary directory is made and removed at exit.
+    otherwise a private folder is made in the temp folder (:func:`server.run_dirs.make`: removed however the
+    server ends).
 
     Returns:
         The directory, now empty of metric files.
@@ -38,8 +38,7 @@ def prepare_multiprocess_dir() -> Path:
         for db in path.glob("*.db"):
             db.unlink()
     else:
-        path = Path(tempfile.mkdtemp(prefix="vlguard-metrics-"))
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        path = run_dirs.make("metrics")
         os.environ[ENV] = str(path)
     return path
 
@@ -56,16 +55,20 @@ def render_latest() -> tuple[bytes, str]:
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    if os.environ.get(ENV):
+    from server.metrics import archive
+
+    if path := os.environ.get(ENV):
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        with archive.reading(path):
+            return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 
 
-def mark_process_dead(pid: int) -> None:
-    """Drop the live-gauge files of a process that exited (an engine core that died or was replaced)."""
-    from prometheus_client import multiprocess
+def archive_dead_processes() -> int:
+    """Fold the metric files of every process that is gone (engine cores and workers that died or were
+    replaced) into the archive (:mod:`server.metrics.archive`); how many files were folded or dropped."""
+    from server.metrics import archive
 
-    if os.environ.get(ENV):
-        multiprocess.mark_process_dead(pid)
+    path = os.environ.get(ENV)
+    return archive.archive_dead(path) if path else 0

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from server import run_dirs
 from server.guard.hold import RebuildPath
 from server.guard.spare import SpareKeeper
 from server.scaleout import api_process
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace, settings: GuardSettings, sock: socket.socket, 
     finally:
         tier.stop()
     for sig in tier.signals[-1:]:
+        run_dirs.remove_all()  # the signal's default action runs no exit handler
         signal.signal(sig, signal.SIG_DFL)
         signal.raise_signal(sig)
     return status

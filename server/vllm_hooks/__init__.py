@@ -240,6 +240,11 @@ TARGETS: tuple[Target, ...] = (
            why="an exception while processing one request's output ends the API process's output handler: every "
                "request in flight fails",
            until="vLLM confines an output-processing error to its request"),
+    Target("vllm.v1.engine.output_processor", "OutputProcessor.process_outputs",
+           ("self", "engine_core_outputs", "engine_core_timestamp", "iteration_stats"),
+           f"{_AL}:keep_out_of_client_stats",
+           why="vlguard's probes would be counted as client requests in vLLM's request, token and latency series",
+           until="vlguard needs no probe (vLLM reports engine-core progress)"),
     Target("vllm.model_executor.models.registry", "_ModelRegistry._try_load_model_cls", ("self", "model_arch"),
            f"{_MD}:on_model_class_load", why=_DEEPSTACK[0], until=_DEEPSTACK[1]),
     Target("vllm.v1.executor.multiproc_executor", "get_mp_context", (), "server.vllm_hooks.processes:route_starts",

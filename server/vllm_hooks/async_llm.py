@@ -86,6 +86,31 @@ def wrap_output_processing(processor: Any, make: Callable[[Callable[..., Any]], 
     wrap(processor, "process_outputs", make, "OutputProcessor.process_outputs", once=False)
 
 
+def keep_out_of_client_stats(processor: Any, internal: Callable[[str], bool]) -> None:
+    """vLLM's client series (``vllm:request_success_total``, the token counters, the latency histograms: all
+    made from the ``IterationStats`` ``process_outputs`` fills) count no request whose id ``internal`` picks:
+    their outputs are processed apart, without stats. vlguard's probes are its own, not client traffic.
+
+    Raises:
+        HookTargetMissing: ``processor`` has no ``process_outputs`` (an unsupported vLLM version).
+    """
+
+    def apart(original: Callable[..., Any]) -> Callable[..., Any]:
+        def process_outputs(outputs: list[Any], timestamp: Any = None, iteration_stats: Any = None, **kw: Any) -> Any:
+            ours = [o for o in outputs if internal(o.request_id)] if iteration_stats is not None else []
+            if not ours:
+                return original(outputs, timestamp, iteration_stats, **kw)
+            processed = original([o for o in outputs if not internal(o.request_id)], timestamp, iteration_stats, **kw)
+            apart = original(ours, timestamp, None, **kw)
+            processed.request_outputs.extend(apart.request_outputs)
+            processed.reqs_to_abort.extend(apart.reqs_to_abort)
+            return processed
+
+        return process_outputs
+
+    wrap(processor, "process_outputs", apart, "OutputProcessor.process_outputs", once=False)
+
+
 def deliver_fault(processor: Any, request_id: str, fault: BaseException) -> bool:
     """Put ``fault`` in ``request_id``'s output queue (its ``RequestState.queue``): vLLM's ``generate()``
     then aborts the request in the engine core and raises it. Returns False when the request has no

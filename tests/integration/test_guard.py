@@ -133,6 +133,31 @@ def test_fault_counters_start_at_zero(guarded: ServerProcess) -> None:
     }
 
 
+def client_series(text: str) -> dict[str, float]:
+    """vLLM's client series in a ``/metrics`` text: every ``vllm:*`` counter and histogram sample (request
+    counts, tokens, latencies), by name and labels; the engine's step and prefix-cache series aside (a probe's
+    step is a step, and its one token is looked up in the prefix cache)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine_side = ("vllm:iteration_tokens", "vllm:prefix_cache_")
+    return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
+            if f.name.startswith("vllm:") and f.type in ("counter", "histogram") and not f.name.startswith(engine_side)
+            for s in f.samples}  # fmt: skip
+
+
+def test_probes_are_not_client_traffic(guarded: ServerProcess) -> None:
+    """#63: vlguard's own probes (one at start-up, one per idle --guard-ready-probe-interval: 2 s here) move
+    ``vlguard_engine_probes_total`` only, never vLLM's request, token or latency series (stock: 0 at idle)."""
+    before = client_series(guarded.initial_metrics)  # type: ignore[attr-defined]
+    assert before and all(v == 0 for k, v in before.items() if "request_success" in k), before
+    probes = labelled(guarded, "vlguard_engine_probes_total", "result")
+    assert probes.get("ok", 0) >= 1 and probes.get("failed") == 0  # the start-up's
+    poll(lambda: labelled(guarded, "vlguard_engine_probes_total", "result")["ok"] >= probes["ok"] + 3, 30,
+         "three idle probes")  # fmt: skip
+    after = client_series(httpx.get(guarded.url + "/metrics").text)
+    assert {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v} == {}
+
+
 def test_systemd_ready_and_watchdog(guarded: ServerProcess, notify: NotifySocket) -> None:
     notify.wait_for("READY=1")
     notify.wait_for("WATCHDOG=1")

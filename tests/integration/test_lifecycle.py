@@ -22,9 +22,11 @@ import httpx
 import psutil
 import pytest
 
+from server import run_dirs
 from server.workload.images import photo_uri
 from server.workload.twopass import primary_messages, rescue_messages
 from tests.helpers import (
+    assert_nothing_left,
     assert_session_ends,
     carried_over,
     engine_core,
@@ -135,11 +137,14 @@ def _while_building(srv: ServerProcess) -> None:
     poll(lambda: any("EngineCore" in process_name(p) for p in srv.children()), 120, "the engine core to be spawned")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_stop_during_first_startup(sessions: list[int], tiny_model: Path, tmp_path: Path, sig: signal.Signals) -> None:
-    """SIGTERM while the first engine loads does not wait for it (exit 143, "killed by SIGTERM");
-    SIGKILL leaves the engine processes to notice on their own."""
-    srv = _start(sessions, tiny_model, tmp_path / "server.log")
+    """SIGTERM or SIGINT while the first engine loads does not wait for it (exit 143 / 130, "killed by" the
+    signal) and leaves nothing in the temp folder (#63); SIGKILL leaves the engine processes to notice on
+    their own, and its folders to the next start, which finds their owner gone."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    srv = _start(sessions, tiny_model, tmp_path / "server.log", TMPDIR=str(temp))
     _while_building(srv)
     assert srv.proc is not None and srv.proc.poll() is None
     signalled = time.monotonic()
@@ -147,6 +152,12 @@ def test_stop_during_first_startup(sessions: list[int], tiny_model: Path, tmp_pa
     assert srv.proc.wait(60) == -sig, srv.log_tail()
     assert time.monotonic() - signalled < 20  # the engine build was abandoned, not waited for
     assert_session_ends(srv.proc.pid)
+    if sig != signal.SIGKILL:
+        assert_nothing_left(temp, srv.log_path)
+    else:  # what vlguard serve's start does with them
+        swept = run_dirs.sweep(str(temp))
+        assert sorted(p.name.split("-")[1] for p in swept) == ["metrics", "state"], swept
+        assert all(p.name.split("-")[2].startswith(f"{srv.proc.pid}.") for p in swept)
 
 
 def test_sigkill_while_ready_with_requests_in_flight(fresh_server: ServerProcess, tiny_model: Path) -> None:
@@ -211,9 +222,10 @@ def test_restart_failures_beyond_budget_exit_non_zero(sessions: list[int], tiny_
     """CASES C7: restarting keeps failing -> exit status 4 (never 0), and nothing is left behind. One
     restart allowed: each failing start-up costs an engine-core spawn and import (the budget's counting
     window and backoff are unit-tested, test_supervisor.py)."""
-    flag = tmp_path / "fail-engine-start"
+    flag, temp = tmp_path / "fail-engine-start", tmp_path / "tmp"
+    temp.mkdir()
     srv = _start(sessions, tiny_model, tmp_path / "budget.log", "--guard-restart-max", "1", "--guard-restart-backoff",
-                      "0.1", VLGUARD_TEST_FAIL_START_IF=str(flag))  # fmt: skip
+                      "0.1", VLGUARD_TEST_FAIL_START_IF=str(flag), TMPDIR=str(temp))  # fmt: skip
     srv.wait_ready()
     flag.touch()  # from now on every engine start-up fails
     engine_core(srv).send_signal(signal.SIGKILL)
@@ -221,20 +233,22 @@ def test_restart_failures_beyond_budget_exit_non_zero(sessions: list[int], tiny_
     assert srv.proc.wait(600) == 4, srv.log_tail()
     assert "restart budget spent" in srv.log_path.read_text()
     assert_session_ends(srv.proc.pid)
+    assert_nothing_left(temp, srv.log_path)
 
 
 def test_make_serve_sigterm(sessions: list[int], tiny_model: Path, tmp_path: Path) -> None:
     """``make serve`` as README gives it (make as the parent; no MODEL: the tiny model, found in the cache the
     ``tiny_model`` fixture built): SIGTERM to make reaches vlguard (GNU make passes it to its children),
-    which stops, and nothing of the server is left."""
+    which stops, and nothing of the server is left: no process, nothing in the temp folder."""
     import vllm
 
-    port = free_port()
+    port, temp = free_port(), tmp_path / "tmp"
+    temp.mkdir()
     log = (tmp_path / "make.log").open("wb")
     make = subprocess.Popen(["make", "--no-print-directory", "serve", f"VLLM={vllm.__version__}",
                              f"PORT={port}", "SERVE_ARGS=" + " ".join(EAGER)], cwd=REPO,
-                            env=engine_env(**NO_COMPILE_WHEN_EAGER), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+                            env=engine_env(**NO_COMPILE_WHEN_EAGER, TMPDIR=str(temp)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     sessions.append(make.pid)
     try:
         srv = ServerProcess([], tmp_path / "make.log", port=port)
@@ -244,6 +258,7 @@ def test_make_serve_sigterm(sessions: list[int], tiny_model: Path, tmp_path: Pat
         status = make.wait(90)
         assert status != 0, status  # make reports its interrupted recipe
         assert_session_ends(srv.proc.pid)
+        assert_nothing_left(temp, srv.log_path)
     finally:
         if make.poll() is None:
             os.killpg(make.pid, signal.SIGKILL)

@@ -125,3 +125,30 @@ def test_nothing_outside_the_layer_imports_a_private_vllm_name() -> None:
                 if private or parts:
                     found.append(f"{path.relative_to(SERVER)}:{node.lineno}: from {node.module} import {private}")
     assert found == [], "private vLLM names imported outside server/vllm_hooks:\n" + "\n".join(found)
+
+
+def test_internal_requests_are_processed_apart_without_stats() -> None:
+    """keep_out_of_client_stats: a batch holding a probe is processed as two calls, the client requests'
+    with the step's stats and the probe's with none; the results are merged; a batch without one is one
+    call, untouched."""
+    from server.vllm_hooks.async_llm import keep_out_of_client_stats
+
+    calls: list[tuple[list[str], object]] = []
+
+    class Processor:
+        def process_outputs(self, outputs: list[types.SimpleNamespace], timestamp: float, stats: object) -> object:
+            ids = [o.request_id for o in outputs]
+            calls.append((ids, stats))
+            return types.SimpleNamespace(request_outputs=[f"out-{i}" for i in ids], reqs_to_abort=ids[:1])
+
+    proc, stats = Processor(), object()
+    keep_out_of_client_stats(proc, lambda rid: rid.startswith("probe"))
+    batch = [types.SimpleNamespace(request_id=r) for r in ("a", "probe-1-x", "b")]
+    done = proc.process_outputs(batch, 1.0, stats)
+    assert calls == [(["a", "b"], stats), (["probe-1-x"], None)]
+    assert done.request_outputs == ["out-a", "out-b", "out-probe-1-x"]
+    assert done.reqs_to_abort == ["a", "probe-1-x"]
+    calls.clear()
+    proc.process_outputs(batch[:1], 1.0, stats)
+    proc.process_outputs(batch, 1.0, None)  # stats off (--disable-log-stats): nothing to keep apart
+    assert calls == [(["a"], stats), (["a", "probe-1-x", "b"], None)]
