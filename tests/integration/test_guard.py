@@ -9,7 +9,9 @@ readiness or metrics poll with a deadline.
 from __future__ import annotations
 
 import json
+import re
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -441,6 +443,31 @@ def test_identical_requests_at_repeated_external_kills_are_never_quarantined(
         assert carried_over(guarded) >= carried + 1
     assert metric(guarded, "vlguard_quarantine_strikes_total") == strikes
     assert metric(guarded, "vlguard_requests_quarantined_total") == refused
+
+
+def test_the_metrics_folder_keeps_live_processes_and_one_archive(guarded: ServerProcess) -> None:
+    """#63: after the rebuilds of this module (kills, a hang, a device error) and one more here, the metrics
+    folder holds files of live processes only, plus one archive per kind; every counter sample read before
+    the last rebuild is still there, none lower."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters() -> dict[str, float]:
+        families = text_string_to_metric_families(httpx.get(guarded.url + "/metrics").text)
+        return {f"{s.name}{sorted(s.labels.items())}": s.value for f in families if f.type in ("counter", "histogram")
+                for s in f.samples}  # fmt: skip
+
+    assert guarded.proc is not None
+    (folder,) = Path(tempfile.gettempdir()).glob(f"vlguard-metrics-{guarded.proc.pid}.*")
+    poll(lambda: httpx.get(guarded.url + "/ready").status_code == 200, 300, "ready")
+    before, restarts = counters(), labelled(guarded, "vlguard_engine_restarts_total", "outcome")["success"]
+    engine_core(guarded).kill()
+    poll(lambda: labelled(guarded, "vlguard_engine_restarts_total", "outcome")["success"] > restarts, 300, "a rebuild")
+    after = counters()
+    assert {k: (v, after.get(k)) for k, v in before.items() if after.get(k, -1) < v} == {}
+    assert restarts >= 4
+    pids = {int(m[1]) for f in folder.glob("*.db") if (m := re.match(r".*_(\d+)\.db$", f.name))}
+    assert pids and all(psutil.pid_exists(pid) for pid in pids), pids
+    assert {f.name for f in folder.glob("*_archive.db")} >= {"counter_archive.db", "histogram_archive.db"}
 
 
 def padded_png(size: int) -> bytes:
