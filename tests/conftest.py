@@ -18,6 +18,7 @@ Every real-engine launch costs ~40 s on this machine, so each configuration is l
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import pytest
 from tests.docker_image import ImageBuild, docker_answers
 from tests.notify import NotifySocket
 from tests.servers import SPARE, ServerProcess, SharedServer, engine_env, retire, vlguard_argv, wait_retired
-from tests.suites import marks_lane
+from tests.suites import HALF_ENV, in_half, marks_lane
 
 EAGER_POISON_WORD = " Halcyonpetrichormarker"
 EAGER_ADMIT_WORD = " Gossamerquincemarker"  # the scheduler raises admitting it (a fault outside any model step)
@@ -99,7 +100,7 @@ def _launch_eager_server(tiny_model: Path, logs: Path) -> ServerProcess:
 #: counted as one (its container): each idle server holds ~3 GB of the machine's 24 while the deployment
 #: tests run servers of their own.
 EARLY_ORDER = ("server", "eager_server", "compiled_stock", "padded_stock", "aligned_unpatched[chunked]")
-MAX_EARLY = 4
+MAX_EARLY = int(os.environ.get("VLGUARD_TEST_MAX_EARLY", "4"))
 _LAUNCHERS: dict[str, Launcher] = {"server": _launch_server, "eager_server": _launch_eager_server}
 _EARLY: dict[str, ServerProcess] = {}
 #: vlguard's Docker image, likewise built from the end of collection when the Docker engine tests will run.
@@ -111,10 +112,15 @@ def early_image_build() -> ImageBuild | None:
     return _EARLY_IMAGE.pop() if _EARLY_IMAGE else None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if marks_lane(Path(item.path)):
             item.add_marker(pytest.mark.lane)
+    if half := os.environ.get(HALF_ENV):  # one half of the default lane (tests/suites.py, OWN_SERVERS)
+        drop = [item for item in items if not in_half(Path(item.path), half)]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [item for item in items if in_half(Path(item.path), half)]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -48,3 +48,30 @@ def marks_lane(path: Path) -> bool:
     """Whether the test module at ``path`` belongs to every lane's focused suite by its folder (others mark
     their tests ``lane`` one by one)."""
     return any(folder in path.parents for folder in LANE_FOLDERS) and path.name not in NO_VLLM
+
+
+#: The default lane's modules that start servers of their own, or none, and use neither session server
+#: (``tests/conftest.py``): CI runs them as one half of the default lane beside the other, whose modules
+#: share those servers (``VLGUARD_TEST_HALF=own|shared``; unset: both). Two pytest processes of one lane
+#: fit in the machine's memory where two engine lanes did not: this half holds one server at a time.
+OWN_SERVERS = frozenset(
+    {
+        "deploy/test_docker.py",
+        "deploy/test_docker_engine.py",
+        "deploy/test_kubernetes.py",
+        "deploy/test_systemd.py",
+        "integration/test_api_servers.py",
+        "integration/test_guard.py",
+        "integration/test_lifecycle.py",
+        "integration/test_overload.py",
+        "observability/test_alert_rules.py",
+        "observability/test_compose.py",
+    }
+)
+HALF_ENV = "VLGUARD_TEST_HALF"
+
+
+def in_half(path: Path, half: str) -> bool:
+    """Whether the test module at ``path`` belongs to ``half`` (``own`` or ``shared``) of the default lane."""
+    own = path.resolve().relative_to(TESTS).as_posix() in OWN_SERVERS
+    return own if half == "own" else not own
