@@ -379,6 +379,9 @@ def _serve(server: _Server, sock: socket.socket, supervisor: Supervisor) -> int:
     if server.signals:
         run_dirs.remove_all()  # the signal's default action runs no exit handler
     for sig in reversed(server.signals):
+        # by its default action: a process started with SIGINT ignored (a background job of a script)
+        # would otherwise go on, and exit 3 as if the start-up had failed
+        signal.signal(sig, signal.SIG_DFL)
         signal.raise_signal(sig)
     if not server.started:
         logger.error("server did not start (engine state: %s)", supervisor.state.value)

@@ -67,9 +67,13 @@ def archive_dead(path: str | Path, alive: Callable[[int], bool] = running) -> in
     """
     path = Path(path)
     dead: dict[str, list[Path]] = {}
+    seen: dict[int, bool] = {}  # each process asked once (five files each)
     for file in path.glob("*.db"):
-        match = _FILE.match(file.name)
-        if match is not None and not alive(int(match[2])):
+        if (match := _FILE.match(file.name)) is None:
+            continue
+        if (pid := int(match[2])) not in seen:
+            seen[pid] = alive(pid)
+        if not seen[pid]:
             dead.setdefault(match[1], []).append(file)
     if not dead:
         return 0

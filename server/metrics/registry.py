@@ -44,7 +44,8 @@ def prepare_multiprocess_dir() -> Path:
 
 
 def render_latest() -> tuple[bytes, str]:
-    """Render every process's metrics in the Prometheus text format.
+    """Render every process's metrics in the Prometheus text format (the files of processes that are gone
+    folded into the archive first: :mod:`server.metrics.archive`).
 
     Uses a fresh registry with a ``MultiProcessCollector`` per call when the multiprocess directory is
     set (the normal case under ``vlguard serve``), or the process's default registry otherwise.
@@ -58,6 +59,7 @@ def render_latest() -> tuple[bytes, str]:
     from server.metrics import archive
 
     if path := os.environ.get(ENV):
+        archive.archive_dead(path)  # a process that died since the last teardown (a spare, a slow worker)
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         with archive.reading(path):
