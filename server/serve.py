@@ -376,9 +376,7 @@ def _serve(server: _Server, sock: socket.socket, supervisor: Supervisor) -> int:
             raise
         # A stop requested during start-up ends the start-up with uvicorn's "startup failed" exit;
         # end as a stop instead, like uvicorn does after a normal shutdown (SIGTERM: status 143).
-    if server.signals:
-        run_dirs.remove_all()  # the signal's default action runs no exit handler
-    for sig in reversed(server.signals):
+    for sig in reversed(server.signals):  # this server's temp folders are gone (_Server.capture_signals)
         # by its default action: a process started with SIGINT ignored (a background job of a script)
         # would otherwise go on, and exit 3 as if the start-up had failed
         signal.signal(sig, signal.SIG_DFL)

@@ -20,7 +20,7 @@ from pathlib import Path
 SHM = Path("/dev/shm")
 RECORD = "shm-segments"
 #: multiprocessing's names in /dev/shm: shared_memory segments (vLLM's queues) and named semaphores (``sem.``
-#: and the name), with the resource tracker's kind for each
+#: and the name)
 _SEGMENT = re.compile(r"^(?:psm_[0-9a-f]+|sem\.mp-[a-z0-9_]+)$")
 
 

@@ -246,8 +246,7 @@ class EngineBuilder:
 
     async def _end_descendants(self, grace_s: float, keep: set[int] | frozenset[int] = frozenset()) -> None:
         """:func:`server.guard.watchdog.end_descendants`, and the shared memory those processes mapped released."""
-        ending = watchdog.descendant_pids() - set(keep)
-        self._segments |= await asyncio.to_thread(shm.mapped, ending)
+        self._segments |= await asyncio.to_thread(lambda: shm.mapped(watchdog.descendant_pids() - set(keep)))
         await asyncio.to_thread(watchdog.end_descendants, grace_s, keep)
         await asyncio.to_thread(self._release_segments)
 

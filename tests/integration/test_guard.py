@@ -136,16 +136,20 @@ def test_fault_counters_start_at_zero(guarded: ServerProcess) -> None:
     }
 
 
-def client_series(text: str) -> dict[str, float]:
-    """vLLM's client series in a ``/metrics`` text: every ``vllm:*`` counter and histogram sample (request
-    counts, tokens, latencies), by name and labels; the engine's step and prefix-cache series aside (a probe's
-    step is a step, and its one token is looked up in the prefix cache)."""
+def counter_samples(text: str) -> dict[str, float]:
+    """Every counter and histogram sample in a ``/metrics`` text, by name and labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    engine_side = ("vllm:iteration_tokens", "vllm:prefix_cache_")
     return {f"{s.name}{sorted(s.labels.items())}": s.value for f in text_string_to_metric_families(text)
-            if f.name.startswith("vllm:") and f.type in ("counter", "histogram") and not f.name.startswith(engine_side)
-            for s in f.samples}  # fmt: skip
+            if f.type in ("counter", "histogram") for s in f.samples}  # fmt: skip
+
+
+def client_series(text: str) -> dict[str, float]:
+    """vLLM's client series in a ``/metrics`` text: every ``vllm:*`` counter and histogram sample (request
+    counts, tokens, latencies); the engine's step and prefix-cache series aside (a probe's step is a step, and
+    its one token is looked up in the prefix cache)."""
+    engine_side = ("vllm:iteration_tokens", "vllm:prefix_cache_")
+    return {k: v for k, v in counter_samples(text).items() if k.startswith("vllm:") and not k.startswith(engine_side)}
 
 
 def test_probes_are_not_client_traffic(guarded: ServerProcess) -> None:
@@ -450,12 +454,9 @@ def test_the_metrics_folder_keeps_live_processes_and_one_archive(guarded: Server
     """#63: after the rebuilds of this module (kills, a hang, a device error) and one more here, the metrics
     folder holds files of live processes only, plus one archive per kind; every counter sample read before
     the last rebuild is still there, none lower."""
-    from prometheus_client.parser import text_string_to_metric_families
 
     def counters() -> dict[str, float]:
-        families = text_string_to_metric_families(httpx.get(guarded.url + "/metrics").text)
-        return {f"{s.name}{sorted(s.labels.items())}": s.value for f in families if f.type in ("counter", "histogram")
-                for s in f.samples}  # fmt: skip
+        return counter_samples(httpx.get(guarded.url + "/metrics").text)
 
     assert guarded.proc is not None
     (folder,) = Path(tempfile.gettempdir()).glob(f"vlguard-metrics-{guarded.proc.pid}.*")
